@@ -1,0 +1,1 @@
+"""pagedserve's composition root: the `pagedserve` command, the local launcher and the in-process engine."""

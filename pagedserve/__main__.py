@@ -1,0 +1,3 @@
+from pagedserve.cli import main
+
+main()

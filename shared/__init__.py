@@ -1,0 +1,1 @@
+"""What every pagedserve service shares: settings, sampling parameters, the bus protocol and key names."""

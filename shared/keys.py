@@ -1,0 +1,59 @@
+"""Every Redis key and stream name pagedserve uses, in one place (all under one prefix)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FIELD = "m"  # each stream entry holds one msgpack payload under this field
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    prefix: str = "ps"
+
+    @property
+    def requests(self) -> str:
+        """Stream of Request; read by the schedulers' consumer group."""
+        return f"{self.prefix}:requests"
+
+    @property
+    def scheduler_group(self) -> str:
+        return f"{self.prefix}:schedulers"
+
+    @property
+    def control(self) -> str:
+        """Stream of Abort and WorkerGone."""
+        return f"{self.prefix}:control"
+
+    @property
+    def results(self) -> str:
+        """Stream of StepResult from every worker."""
+        return f"{self.prefix}:results"
+
+    @property
+    def workers(self) -> str:
+        """Hash worker id → encoded WorkerRegistration."""
+        return f"{self.prefix}:workers"
+
+    @property
+    def epoch(self) -> str:
+        """Counter bumped by each scheduler start; plans carry it."""
+        return f"{self.prefix}:epoch"
+
+    @property
+    def scheduler_lease(self) -> str:
+        return f"{self.prefix}:scheduler:lease"
+
+    @property
+    def stats(self) -> str:
+        """Hash of scheduler state for the gateway's /metrics (JSON values)."""
+        return f"{self.prefix}:stats"
+
+    def plans(self, worker_id: str) -> str:
+        return f"{self.prefix}:plans:{worker_id}"
+
+    def heartbeat(self, worker_id: str) -> str:
+        return f"{self.prefix}:heartbeat:{worker_id}"
+
+    def out(self, rid: str) -> str:
+        """Stream of TokenOutput for one request."""
+        return f"{self.prefix}:out:{rid}"

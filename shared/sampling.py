@@ -1,0 +1,88 @@
+"""Sampling parameters, their validation, and the one function that decides when a sequence ends."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+MAX_SEED = 2**63 - 1
+
+
+class ParamError(ValueError):
+    """A request parameter is out of range; `param` names it (OpenAI's error body carries it)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None = none; k = the chosen token's logprob plus the top k
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> "SamplingParams":
+        _in_range("n", self.n, 1, MAX_N)
+        _in_range("max_tokens", self.max_tokens, 1, None)
+        _in_range("min_tokens", self.min_tokens, 0, self.max_tokens)
+        _in_range("temperature", self.temperature, 0.0, 2.0)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ParamError("top_p", f"top_p must be in (0, 1]; got {self.top_p}")
+        if self.top_k < -1:
+            raise ParamError("top_k", f"top_k must be -1 or 0 (off) or at least 1; got {self.top_k}")
+        _in_range("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            _in_range("seed", self.seed, 0, MAX_SEED)
+        _in_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _in_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ParamError("repetition_penalty",
+                             f"repetition_penalty must be in (0, 2]; got {self.repetition_penalty}")
+        for t in self.stop_token_ids:
+            if t < 0:
+                raise ParamError("stop_token_ids", f"stop_token_ids must be token ids of 0 or more; got {t}")
+        if self.logprobs is not None:
+            _in_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        return self
+
+
+def _in_range(name: str, value: float, low: float, high: float | None) -> None:
+    if not math.isfinite(value) or value < low or (high is not None and value > high):
+        allowed = f"at least {low}" if high is None else f"in [{low}, {high}]"
+        raise ParamError(name, f"{name} must be {allowed}; got {value}")
+
+
+def finish_reason(params: SamplingParams, output_token_ids: list[int], num_tokens: int,
+                  max_model_len: int, eos_token_ids: list[int] | tuple[int, ...]) -> str | None:
+    """Why a sequence that just produced `output_token_ids[-1]` ends, or None while it goes on.
+
+    `num_tokens` is the whole sequence (prompt + output). The scheduler and the worker both call
+    this, so they agree on every finish without a round trip.
+    """
+    if not output_token_ids:
+        return None
+    out_len = len(output_token_ids)
+    last = output_token_ids[-1]
+    if out_len >= params.min_tokens:
+        if last in params.stop_token_ids or (not params.ignore_eos and last in eos_token_ids):
+            return "stop"
+    if out_len >= params.max_tokens or num_tokens >= max_model_len:
+        return "length"
+    return None

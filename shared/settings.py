@@ -1,0 +1,140 @@
+"""The one settings object of every pagedserve process.
+
+Each field has a default, an environment variable `PAGEDSERVE_<NAME>` and a command-line flag
+`--<name-with-dashes>`; a flag beats the environment, the environment beats the default.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+ENV_PREFIX = "PAGEDSERVE_"
+
+
+class SettingsError(ValueError):
+    """A setting has a value pagedserve cannot use; the message names the setting."""
+
+
+def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(slots=True)
+class Settings:
+    # model
+    model: str = _opt("", "model directory (a local Hugging Face checkpoint); empty = the built-in tiny model")
+    served_model_name: str = _opt("", "model id clients use; empty = the model directory's name")
+    dtype: str = _opt("auto", "weight and activation dtype", ("auto", "float32", "bfloat16", "float16"))
+    device: str = _opt("auto", "worker device: auto picks cuda when available", ("auto", "cpu", "cuda"))
+    attention_backend: str = _opt("auto", "paged attention implementation: auto = triton on cuda, torch elsewhere",
+                                  ("auto", "torch", "triton"))
+    max_model_len: int = _opt(0, "longest sequence (prompt + output); 0 = the model's own limit")
+    # KV cache
+    block_size: int = _opt(16, "tokens per KV block (a power of two, 8-128)")
+    kv_cache_bytes: int = _opt(256 << 20, "KV cache size on CPU, in bytes")
+    gpu_memory_utilization: float = _opt(0.9, "share of GPU memory the worker may use (weights + activations + KV)")
+    num_blocks: int = _opt(0, "force the number of KV blocks (0 = size from memory)")
+    swap_space_bytes: int = _opt(256 << 20, "host memory for swapped-out KV blocks, in bytes")
+    enable_prefix_caching: bool = _opt(True, "reuse KV blocks of identical prompt prefixes")
+    # scheduling
+    max_num_seqs: int = _opt(256, "most sequences in one step")
+    max_num_batched_tokens: int = _opt(2048, "token budget of one step (prefill chunks + decode tokens)")
+    preemption_mode: str = _opt("recompute", "what to do with a preempted request's KV blocks", ("recompute", "swap"))
+    watermark: float = _opt(0.01, "share of blocks kept free when admitting new requests")
+    # services and bus
+    redis_url: str = _opt("redis://127.0.0.1:6379/0", "Redis server the services meet on")
+    worker_id: str = _opt("", "this worker's id; empty = host name + pid")
+    heartbeat_ttl: float = _opt(5.0, "seconds a worker stays alive without refreshing its heartbeat")
+    request_timeout: float = _opt(600.0, "seconds a request may wait with no worker before it fails")
+    out_stream_ttl: float = _opt(300.0, "seconds a finished request's token stream is kept")
+    # gateway
+    host: str = _opt("127.0.0.1", "address the gateway listens on")
+    port: int = _opt(8000, "port the gateway listens on")
+    api_key: str = _opt("", "if set, clients must send `Authorization: Bearer <key>`")
+    max_waiting_requests: int = _opt(1024, "requests waiting beyond this get 429")
+    max_body_bytes: int = _opt(4 << 20, "largest request body accepted")
+    log_level: str = _opt("info", "log level", ("debug", "info", "warning", "error"))
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise SettingsError(f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}")
+        bs = self.block_size
+        if not (8 <= bs <= 128 and bs & (bs - 1) == 0):
+            raise SettingsError(f"block_size must be a power of two from 8 to 128; got {bs}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise SettingsError(f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise SettingsError(f"watermark must be in [0, 1); got {self.watermark}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise SettingsError(f"{name} must be at least 1; got {getattr(self, name)}")
+        for name in ("max_model_len", "num_blocks", "kv_cache_bytes", "swap_space_bytes"):
+            if getattr(self, name) < 0:
+                raise SettingsError(f"{name} must be 0 or more; got {getattr(self, name)}")
+        if not 0 < self.port < 65536:
+            raise SettingsError(f"port must be in 1-65535; got {self.port}")
+        if self.heartbeat_ttl <= 0 or self.request_timeout <= 0 or self.out_stream_ttl <= 0:
+            raise SettingsError("heartbeat_ttl, request_timeout and out_stream_ttl must be positive")
+
+    def replace(self, **changes: Any) -> "Settings":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = environ.get(ENV_PREFIX + f.name.upper())
+            if raw is not None:
+                values[f.name] = _parse(f, raw)
+        values.update(overrides)
+        return cls(**values)
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
+        """Add a flag for each setting (or those named in `only`); unset flags stay None."""
+        group = parser.add_argument_group("settings (also PAGEDSERVE_<NAME> environment variables)")
+        for f in dataclasses.fields(cls):
+            if only is not None and f.name not in only:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if f.type in ("bool", bool):
+                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                                   help=f"{f.metadata['help']} (default {f.default})")
+            else:
+                group.add_argument(flag, dest=f.name, default=None, type=lambda s, f=f: _parse(f, s),
+                                   choices=f.metadata.get("choices"), help=f"{f.metadata['help']} (default {f.default!r})")
+
+    @classmethod
+    def from_args(cls, ns: argparse.Namespace, environ: Mapping[str, str] | None = None) -> "Settings":
+        names = {f.name for f in dataclasses.fields(cls)}
+        flags = {k: v for k, v in vars(ns).items() if k in names and v is not None}
+        return cls.from_env(environ, **flags)
+
+
+def _parse(f: dataclasses.Field, raw: str) -> Any:
+    kind = f.type if isinstance(f.type, str) else f.type.__name__
+    try:
+        if kind == "bool":
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if kind == "int":
+            return int(raw.replace("_", ""))
+        if kind == "float":
+            return float(raw)
+        return raw
+    except ValueError:
+        wanted = {"int": "an integer", "float": "a number", "bool": "true or false"}.get(kind, kind)
+        raise SettingsError(f"{f.name} expects {wanted}; got {raw!r}") from None

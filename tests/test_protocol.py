@@ -1,0 +1,115 @@
+"""The bus protocol: every message round-trips, and the decoder only ever raises ProtocolError."""
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from shared.protocol import (
+    MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Abort, NewSequence, ProtocolError, Request, ScheduledSequence,
+    StepPlan, StepResult, TokenOutput, WorkerGone, WorkerRegistration, decode, encode,
+)
+from shared.sampling import SamplingParams
+
+PARAMS = SamplingParams(n=2, max_tokens=32, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=7,
+                        presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.1,
+                        stop_token_ids=[2, 5], ignore_eos=True, logprobs=3)
+
+EXAMPLES = [
+    Request("r1", "tiny", [1, 2, 3], PARAMS, 1234.5),
+    Abort("r1", "client disconnected"),
+    WorkerRegistration("w0", "tiny", 1000, 200, 16, 2048, [2, 4]),
+    WorkerGone("w0"),
+    StepPlan("w0", 3, 17,
+             new_sequences=[NewSequence(5, "r1", 1, [1, 2, 3], [9], PARAMS)],
+             scheduled=[ScheduledSequence(5, 0, 4, [7, 8]), ScheduledSequence(6, 30, 1, [], [1, 2, 3])],
+             copies=[(7, 9)], swap_out=[(3, 0)], swap_in=[(1, 4)], finished=[2, 3]),
+    StepResult("w0", 3, 17, [TokenOutput("r1", 1, 0, 42, -0.25, [(42, -0.25), (7, -1.5)], "stop")]),
+    StepResult("w0", 3, 18, [], "CUDA out of memory"),
+    TokenOutput("r9", -1, 0, -1, finish_reason="error", error="prompt too long"),
+]
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg):
+    assert decode(encode(msg)) == msg
+
+
+def test_expected_type_is_enforced():
+    with pytest.raises(ProtocolError, match="unexpected message type"):
+        decode(encode(Abort("r1")), expected=Request)
+    assert decode(encode(Abort("r1")), expected=(Request, Abort)) == Abort("r1")
+
+
+def _body(msg) -> dict:
+    return msgpack.unpackb(encode(msg))
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda b: b.update(v=PROTOCOL_VERSION + 1), "unsupported protocol version"),
+    (lambda b: b.pop("v"), "unsupported protocol version"),
+    (lambda b: b.update(type="Pickle"), "unknown message type"),
+    (lambda b: b.pop("rid"), "missing field 'rid'"),
+    (lambda b: b.update(prompt_token_ids="1 2 3"), "expected a list"),
+    (lambda b: b.update(prompt_token_ids=[1, "2"]), r"prompt_token_ids\[1\]: expected a 64-bit int"),
+    (lambda b: b.update(prompt_token_ids=[True]), "expected a 64-bit int"),
+    (lambda b: b["params"].update(temperature="hot"), "expected a number"),
+    (lambda b: b["params"].update(temperature=9.0), "temperature must be in"),
+    (lambda b: b.update(params=[]), "expected a map"),
+])
+def test_malformed_request_is_a_typed_error(mutate, message):
+    body = _body(EXAMPLES[0])
+    mutate(body)
+    with pytest.raises(ProtocolError, match=message):
+        decode(msgpack.packb(body))
+
+
+def test_oversized_payload_is_rejected_before_parsing():
+    with pytest.raises(ProtocolError, match="exceeds"):
+        decode(b"\x00" * (MAX_MESSAGE_BYTES + 1))
+
+
+def test_non_bytes_and_non_map_payloads():
+    with pytest.raises(ProtocolError):
+        decode("text")  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError, match="must be a map"):
+        decode(msgpack.packb([1, 2]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=256))
+def test_fuzz_random_bytes(data):
+    try:
+        decode(data)
+    except ProtocolError:
+        pass
+
+
+_leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(allow_nan=True),
+                  st.text(max_size=8), st.binary(max_size=8))
+_values = st.recursive(_leaf, lambda inner: st.lists(inner, max_size=4)
+                       | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(EXAMPLES), st.dictionaries(st.sampled_from(
+    ["rid", "params", "prompt_token_ids", "scheduled", "new_sequences", "copies", "outputs", "token_id",
+     "logprob", "top_logprobs", "epoch", "num_blocks", "eos_token_ids", "error", "finish_reason"]), _values, max_size=4))
+def test_fuzz_wrong_field_values(msg, overrides):
+    body = _body(msg)
+    body.update(overrides)
+    try:
+        out = decode(msgpack.packb(body, use_bin_type=True))
+    except ProtocolError:
+        return
+    assert type(out) is type(msg)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.text(max_size=10), _values, max_size=6))
+def test_fuzz_random_maps(body):
+    body.setdefault("v", PROTOCOL_VERSION)
+    try:
+        decode(msgpack.packb(body, use_bin_type=True))
+    except ProtocolError:
+        pass
