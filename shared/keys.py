@@ -45,7 +45,7 @@ class Keys:
 
     @property
     def stats(self) -> str:
-        """Hash of scheduler state for the gateway's /metrics (JSON values)."""
+        """String key holding the encoded SchedulerStats the gateway's /metrics reads."""
         return f"{self.prefix}:stats"
 
     def plans(self, worker_id: str) -> str:

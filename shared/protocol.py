@@ -132,7 +132,28 @@ class StepResult:
     error: str | None = None
 
 
-Message = Union[Request, Abort, WorkerRegistration, WorkerGone, StepPlan, StepResult, TokenOutput]
+@dataclass(slots=True)
+class WorkerStats:
+    worker_id: str
+    num_blocks: int
+    free_blocks: int
+    running: int  # sequences
+    prefix_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_hits: int  # of those, tokens found cached
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """scheduler → gateway (`stats` key): the state /metrics exports."""
+    time: float
+    running: int  # requests
+    waiting: int
+    preempted: int
+    preemptions: int  # total since start
+    workers: list[WorkerStats] = field(default_factory=list)
+
+
+Message = Union[Request, Abort, WorkerRegistration, WorkerGone, StepPlan, StepResult, TokenOutput, SchedulerStats]
 MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(Message)}
 _HINTS: dict[type, dict[str, Any]] = {}
 

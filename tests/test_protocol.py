@@ -7,7 +7,8 @@ from hypothesis import given, settings, strategies as st
 
 from shared.protocol import (
     MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Abort, NewSequence, ProtocolError, Request, ScheduledSequence,
-    StepPlan, StepResult, TokenOutput, WorkerGone, WorkerRegistration, decode, encode,
+    SchedulerStats, StepPlan, StepResult, TokenOutput, WorkerGone, WorkerRegistration, WorkerStats, decode,
+    encode,
 )
 from shared.sampling import SamplingParams
 
@@ -27,6 +28,7 @@ EXAMPLES = [
     StepResult("w0", 3, 17, [TokenOutput("r1", 1, 0, 42, -0.25, [(42, -0.25), (7, -1.5)], "stop")]),
     StepResult("w0", 3, 18, [], "CUDA out of memory"),
     TokenOutput("r9", -1, 0, -1, finish_reason="error", error="prompt too long"),
+    SchedulerStats(12.5, 3, 1, 0, 4, [WorkerStats("w0", 100, 40, 5, 320, 160)]),
 ]
 
 
