@@ -1,0 +1,135 @@
+"""What the Redis bus costs: one request trace through the in-process engine and through the services.
+
+Both run the same scheduler and worker cores with the same settings; the services add msgpack,
+Redis round trips and process hops. For each concurrency (requests kept in flight) it prints output
+tokens/s of each, their ratio, and the mean step time of each (the difference is the per-step
+latency the bus adds). Run from the repo root:
+
+    python -m benchmarks.bus_overhead                 # tiny model, concurrency 1, 16, 64
+    python -m benchmarks.bus_overhead --quick         # a short smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.sampling import SamplingParams
+from shared.settings import Settings
+
+
+@dataclass(slots=True)
+class Run:
+    tokens: int
+    seconds: float
+    steps: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def step_ms(self) -> float:
+        return 1000 * self.seconds / max(self.steps, 1)
+
+
+def trace(count: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 500) for _ in range(prompt_len)] for _ in range(count)]
+
+
+def run_engine(settings: Settings, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> Run:
+    from pagedserve.engine import Engine
+
+    engine = Engine(settings)
+    engine.generate(prompts[:1], params)  # warm-up
+    queue = list(prompts)
+    in_flight: set[str] = set()
+    steps = tokens = 0
+    start = time.perf_counter()
+    while queue or in_flight:
+        while queue and len(in_flight) < concurrency:
+            in_flight.add(engine.add_request(queue.pop(0), params))
+        outputs = engine.step()
+        steps += 1
+        tokens += len(outputs)
+        in_flight -= {rid for rid, c in engine.completions.items() if c.finished}
+    return Run(tokens, time.perf_counter() - start, steps)
+
+
+def run_services(client, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> Run:
+    from shared.keys import Keys
+
+    results = Keys().results
+    client.wait([client.submit(prompts[0], params)])  # warm-up
+    steps_before = client.redis.xinfo_stream(results)["entries-added"]
+    queue = list(prompts)
+    in_flight: list[str] = []
+    done: list[str] = []
+    start = time.perf_counter()
+    while queue or in_flight:
+        while queue and len(in_flight) < concurrency:
+            in_flight.append(client.submit(queue.pop(0), params))
+        client.poll(block_ms=50)
+        done += [r for r in in_flight if client.done(r)]
+        in_flight = [r for r in in_flight if not client.done(r)]
+    seconds = time.perf_counter() - start
+    steps = client.redis.xinfo_stream(results)["entries-added"] - steps_before
+    return Run(client.generated_count(done), seconds, steps)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="", help="model directory (default: the built-in tiny model)")
+    parser.add_argument("--concurrency", default="1,16,64", help="comma-separated requests in flight")
+    parser.add_argument("--requests", type=int, default=0, help="requests per level (default 2 × concurrency, ≥ 8)")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--quick", action="store_true", help="concurrency 1,8 with short outputs")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.concurrency, args.output_len = "1,8", 16
+    levels = [int(c) for c in args.concurrency.split(",")]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+
+    from pagedserve.bus_client import BusClient
+    from pagedserve.launcher import Stack, ensure_model, free_port
+
+    settings = ensure_model(Settings(model=args.model, port=free_port(), log_level="warning"))
+    stack = Stack(settings)
+    url = stack.start_redis(0)
+    if url is None:
+        return 1
+    stack.settings = settings.replace(redis_url=url)
+    rows = []
+    try:
+        stack.start_services(1)
+        client = BusClient(url)
+        client.wait_for(lambda: (s := client.stats()) is not None and len(s.workers) == 1, "the worker", 120)
+        for level in levels:
+            prompts = trace(args.requests or max(8, 2 * level), args.prompt_len, seed=level)
+            engine = run_engine(settings, prompts, params, level)
+            services = run_services(client, prompts, params, level)
+            rows.append((level, engine, services))
+            print(f"concurrency {level}: engine {engine.tokens_per_s:.0f} tok/s, "
+                  f"services {services.tokens_per_s:.0f} tok/s", file=sys.stderr, flush=True)
+    finally:
+        stack.stop()
+
+    print(f"\nBus overhead: {Path(settings.model).name}, prompt {args.prompt_len}, output {args.output_len} tokens, "
+          "1 worker\n")
+    print("| concurrency | engine tok/s | services tok/s | services / engine | engine ms/step | services ms/step "
+          "| added ms/step |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for level, engine, services in rows:
+        print(f"| {level} | {engine.tokens_per_s:.0f} | {services.tokens_per_s:.0f} | "
+              f"{services.tokens_per_s / engine.tokens_per_s:.1%} | {engine.step_ms:.1f} | {services.step_ms:.1f} | "
+              f"{services.step_ms - engine.step_ms:+.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

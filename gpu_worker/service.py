@@ -1,0 +1,158 @@
+"""The worker service: the worker core behind the Redis bus.
+
+Registers, keeps a heartbeat alive from a thread (a long step must not look like a death), reads its
+plan stream, executes each plan and publishes every sampled token to `out:{rid}` plus the step
+result in one MULTI/EXEC round trip, so the scheduler's view and the clients' streams never diverge.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+
+from shared.bus import BLOCK_MS, RECONNECT_ERRORS, Backoff, connect, decode_entry
+from shared.keys import FIELD, Keys
+from shared.log import setup_logging
+from shared.protocol import StepPlan, StepResult, WorkerGone, encode
+from shared.settings import Settings
+
+log = logging.getLogger("gpu_worker")
+PLAN_STREAM_MAXLEN = 1000
+RESULT_STREAM_MAXLEN = 10_000
+
+
+class WorkerService:
+    def __init__(self, settings: Settings, worker, keys: Keys | None = None) -> None:
+        self.settings = settings
+        self.worker = worker
+        self.worker_id: str = worker.registration.worker_id
+        self.keys = keys or Keys()
+        self.client = connect(settings.redis_url)
+        self.reader = connect(settings.redis_url, blocking=True)
+        self.stop_event = threading.Event()
+        self.epoch = -1
+        self.last_step = -1
+
+    @property
+    def _ttl_ms(self) -> int:
+        return int(self.settings.heartbeat_ttl * 1000)
+
+    def register(self) -> None:
+        # A fresh plan stream: plans meant for an earlier process with this id must not run here.
+        pipe = self.client.pipeline(transaction=True)
+        pipe.delete(self.keys.plans(self.worker_id))
+        pipe.hset(self.keys.workers, self.worker_id, encode(self.worker.registration))
+        pipe.set(self.keys.heartbeat(self.worker_id), 1, px=self._ttl_ms)
+        pipe.execute()
+
+    def deregister(self) -> None:
+        try:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hdel(self.keys.workers, self.worker_id)
+            pipe.delete(self.keys.heartbeat(self.worker_id))
+            pipe.xadd(self.keys.control, {FIELD: encode(WorkerGone(self.worker_id))})
+            pipe.execute()
+        except RECONNECT_ERRORS as e:
+            log.warning("could not deregister (Redis unreachable: %s); the heartbeat will expire", e)
+
+    def _heartbeat_loop(self) -> None:
+        client = connect(self.settings.redis_url)
+        registration = encode(self.worker.registration)
+        while not self.stop_event.wait(self.settings.heartbeat_ttl / 4):
+            try:
+                pipe = client.pipeline(transaction=True)
+                pipe.set(self.keys.heartbeat(self.worker_id), 1, px=self._ttl_ms)
+                pipe.hset(self.keys.workers, self.worker_id, registration)
+                pipe.execute()
+            except RECONNECT_ERRORS as e:
+                log.warning("heartbeat failed, retrying: %s", e)
+
+    def run(self) -> None:
+        backoff = Backoff()
+        while not self.stop_event.is_set():
+            try:
+                self.register()
+                break
+            except RECONNECT_ERRORS as e:
+                log.warning("Redis unreachable at start, retrying: %s", e)
+                time.sleep(backoff.next())
+        heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        heartbeat.start()
+        log.info("worker %s ready: %d KV blocks of %d tokens, %d swap blocks", self.worker_id,
+                 self.worker.registration.num_blocks, self.worker.registration.block_size,
+                 self.worker.registration.num_swap_blocks)
+        stream = self.keys.plans(self.worker_id)
+        last_id = "0-0"
+        try:
+            while not self.stop_event.is_set():
+                try:
+                    reply = self.reader.xread({stream: last_id}, count=1, block=BLOCK_MS)
+                    backoff.reset()
+                except RECONNECT_ERRORS as e:
+                    log.warning("reading plans failed, reconnecting: %s", e)
+                    time.sleep(backoff.next())
+                    continue
+                for _, entries in reply:
+                    for entry_id, fields in entries:
+                        last_id = entry_id
+                        plan = decode_entry(stream, entry_id, fields, StepPlan)
+                        if plan is not None and self._is_new(plan):
+                            self._publish(self._execute(plan))
+        finally:
+            self.stop_event.set()
+            self.deregister()
+
+    def _is_new(self, plan: StepPlan) -> bool:
+        """Skip replays: a plan written twice by a retried round trip, or one from an older scheduler."""
+        if plan.worker_id != self.worker_id:
+            log.warning("dropped a plan addressed to %s", plan.worker_id)
+            return False
+        if plan.epoch < self.epoch or (plan.epoch == self.epoch and plan.step_id <= self.last_step):
+            return False
+        self.epoch, self.last_step = plan.epoch, plan.step_id
+        return True
+
+    def _execute(self, plan: StepPlan) -> StepResult:
+        try:
+            return self.worker.execute(plan)
+        except Exception as e:  # the scheduler fails this step's requests; the worker keeps serving
+            log.exception("step %d failed", plan.step_id)
+            return StepResult(self.worker_id, plan.epoch, plan.step_id, error=f"{type(e).__name__}: {e}")
+
+    def _publish(self, result: StepResult) -> None:
+        keep_ms = int((self.settings.request_timeout + self.settings.out_stream_ttl) * 1000)
+        backoff = Backoff()
+        while True:
+            try:
+                pipe = self.client.pipeline(transaction=True)
+                for out in result.outputs:
+                    key = self.keys.out(out.rid)
+                    pipe.xadd(key, {FIELD: encode(out)})
+                    pipe.pexpire(key, keep_ms)
+                pipe.xadd(self.keys.results, {FIELD: encode(result)}, maxlen=RESULT_STREAM_MAXLEN, approximate=True)
+                pipe.set(self.keys.heartbeat(self.worker_id), 1, px=self._ttl_ms)
+                pipe.execute()
+                return
+            except RECONNECT_ERRORS as e:
+                if self.stop_event.is_set():
+                    return
+                log.warning("publishing step %d failed, retrying: %s", result.step_id, e)
+                time.sleep(backoff.next())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pagedserve worker", description="pagedserve GPU worker service")
+    Settings.add_arguments(parser)
+    settings = Settings.from_args(parser.parse_args(argv))
+    setup_logging("worker", settings.log_level)
+    from gpu_worker.worker import Worker
+
+    worker = Worker(settings, settings.worker_id or f"{socket.gethostname()}-{os.getpid()}")
+    service = WorkerService(settings, worker)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: service.stop_event.set())
+    service.run()

@@ -1,0 +1,3 @@
+from scheduler.service import main
+
+main()

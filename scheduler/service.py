@@ -1,0 +1,311 @@
+"""The scheduler service: the scheduler core behind the Redis bus.
+
+One asyncio loop, three blocking readers (requests through the consumer group, control, results),
+each on its own connection, and a housekeeping tick (lease, worker liveness, timeouts, stats). Every
+event ends in `pump()`: plan each idle worker's next step and settle finished requests. A request is
+acknowledged only once it has ended, so a scheduler that dies leaves it pending for the next one.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+from collections import defaultdict
+
+import redis
+
+from scheduler.scheduler import FinishedRequest, Scheduler
+from shared.bus import BLOCK_MS, RECONNECT_ERRORS, Backoff, connect_async, decode_entry
+from shared.keys import FIELD, Keys
+from shared.log import setup_logging
+from shared.protocol import (
+    Abort, ProtocolError, Request, StepResult, TokenOutput, WorkerGone, WorkerRegistration, decode, encode,
+)
+from shared.settings import Settings
+
+log = logging.getLogger("scheduler")
+PLAN_STREAM_MAXLEN = 1000
+TICK_S = 0.25
+
+
+class SchedulerService:
+    def __init__(self, settings: Settings, keys: Keys | None = None) -> None:
+        self.settings = settings
+        self.keys = keys or Keys()
+        self.name = f"scheduler-{socket.gethostname()}-{os.getpid()}"
+        self.client = connect_async(settings.redis_url)
+        self.core: Scheduler | None = None
+        self.entry_ids: dict[str, bytes] = {}  # rid → its entry in the requests stream, acked at the end
+        self.stop_event = asyncio.Event()
+        self.pump_lock = asyncio.Lock()
+
+    # ---- start-up -------------------------------------------------------------------------
+    async def _acquire_lease(self) -> None:
+        backoff = Backoff(cap=1.0)
+        waiting_logged = False
+        while not self.stop_event.is_set():
+            try:
+                if await self.client.set(self.keys.scheduler_lease, self.name, nx=True, px=self._lease_ms):
+                    return
+            except RECONNECT_ERRORS as e:
+                log.warning("Redis unreachable, retrying: %s", e)
+            if not waiting_logged:
+                log.info("another scheduler holds the lease; standing by")
+                waiting_logged = True
+            await asyncio.sleep(backoff.next())
+
+    @property
+    def _lease_ms(self) -> int:
+        return int(self.settings.heartbeat_ttl * 1000)
+
+    async def _start(self) -> None:
+        await self._acquire_lease()
+        epoch = int(await self.client.incr(self.keys.epoch))
+        self.core = Scheduler(self.settings, epoch)
+        try:
+            await self.client.xgroup_create(self.keys.requests, self.keys.scheduler_group, id="0", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+        await self._sync_workers()
+        await self._recover_pending()
+        log.info("scheduler %s ready (epoch %d, %d workers, %d resumed requests)", self.name, epoch,
+                 len(self.core.worker_ids), len(self.entry_ids))
+
+    async def _recover_pending(self) -> None:
+        """Claim every request a dead scheduler left unacknowledged and resume it from its `out:` stream."""
+        start = "0-0"
+        while True:
+            reply = await self.client.xautoclaim(self.keys.requests, self.keys.scheduler_group, self.name,
+                                                 min_idle_time=0, start_id=start, count=100)
+            start, entries = reply[0], reply[1]
+            for entry_id, fields in entries:
+                await self._resume(entry_id, fields)
+            if start in (b"0-0", "0-0"):
+                return
+
+    async def _resume(self, entry_id: bytes, fields: dict) -> None:
+        req = decode_entry(self.keys.requests, entry_id, fields, Request)
+        if req is None:
+            await self._drop(entry_id)
+            return
+        outputs: dict[int, dict[int, int]] = defaultdict(dict)
+        ended: set[int] = set()
+        for _, out_fields in await self.client.xrange(self.keys.out(req.rid)):
+            try:
+                out = decode(out_fields[FIELD.encode()], TokenOutput)
+            except (ProtocolError, KeyError):
+                continue
+            if out.sample_index < 0:
+                await self._drop(entry_id)
+                return
+            outputs[out.sample_index][out.output_index] = out.token_id
+            if out.finish_reason is not None:
+                ended.add(out.sample_index)
+        if len(ended) == req.params.n:
+            await self._drop(entry_id)
+            return
+        tokens = {i: [toks[k] for k in sorted(toks)] for i, toks in outputs.items()}
+        self.entry_ids[req.rid] = entry_id
+        self.core.add_request(req, tokens)
+
+    async def _drop(self, entry_id: bytes) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xack(self.keys.requests, self.keys.scheduler_group, entry_id)
+        pipe.xdel(self.keys.requests, entry_id)
+        await pipe.execute()
+
+    # ---- readers --------------------------------------------------------------------------
+    async def _read_forever(self, name: str, read) -> None:
+        """Run one blocking reader; reconnect with backoff when Redis goes away."""
+        backoff = Backoff()
+        while not self.stop_event.is_set():
+            try:
+                await read()
+                backoff.reset()
+            except RECONNECT_ERRORS as e:
+                log.warning("%s reader lost Redis, reconnecting: %s", name, e)
+                await asyncio.sleep(backoff.next())
+
+    async def _last_id(self, stream: str) -> bytes | str:
+        newest = await self.client.xrevrange(stream, count=1)
+        return newest[0][0] if newest else "0-0"
+
+    async def _read_requests(self, reader) -> None:
+        reply = await reader.xreadgroup(self.keys.scheduler_group, self.name, {self.keys.requests: ">"},
+                                        count=256, block=BLOCK_MS)
+        for _, entries in reply or []:
+            for entry_id, fields in entries:
+                req = decode_entry(self.keys.requests, entry_id, fields, Request)
+                if req is None or req.rid in self.entry_ids:
+                    await self._drop(entry_id)
+                    continue
+                self.entry_ids[req.rid] = entry_id
+                self.core.add_request(req)
+        if reply:
+            await self.pump()
+
+    async def _stream_reader(self, stream: str, expected: tuple[type, ...], handle):
+        """A reader of `stream` from its current end (taken now, before any plan goes out)."""
+        reader = connect_async(self.settings.redis_url, blocking=True)
+        cursor = [await self._last_id(stream)]
+
+        async def read() -> None:
+            reply = await reader.xread({stream: cursor[0]}, count=256, block=BLOCK_MS)
+            for _, entries in reply or []:
+                for entry_id, fields in entries:
+                    cursor[0] = entry_id
+                    msg = decode_entry(stream, entry_id, fields, expected)
+                    if msg is not None:
+                        handle(msg)
+            if reply:
+                await self.pump()
+        return read
+
+    def _on_control(self, msg: Abort | WorkerGone) -> None:
+        if isinstance(msg, Abort):
+            self.core.abort(msg.rid, msg.reason)
+        elif msg.worker_id in self.core.worker_ids:
+            log.info("worker %s left; moving its requests", msg.worker_id)
+            self.core.remove_worker(msg.worker_id)
+
+    def _on_result(self, msg: StepResult) -> None:
+        if msg.error:
+            log.error("worker %s failed step %d: %s", msg.worker_id, msg.step_id, msg.error)
+        self.core.apply_result(msg)
+
+    # ---- the loop -------------------------------------------------------------------------
+    async def pump(self) -> None:
+        """Plan every idle worker's next step, settle ended requests; one Redis round trip."""
+        async with self.pump_lock:
+            commands: list[tuple[str, tuple, dict]] = []
+            for worker_id in self.core.worker_ids:
+                plan = self.core.schedule(worker_id)
+                if plan is not None:
+                    commands.append(("xadd", (self.keys.plans(worker_id), {FIELD: encode(plan)}),
+                                     {"maxlen": PLAN_STREAM_MAXLEN, "approximate": True}))
+            for done in self.core.pop_finished():
+                commands.extend(self._settle(done))
+            if commands:
+                await self._execute_until_done(commands)
+
+    def _settle(self, done: FinishedRequest) -> list[tuple[str, tuple, dict]]:
+        key = self.keys.out(done.rid)
+        commands: list[tuple[str, tuple, dict]] = []
+        if done.error is not None:
+            failure = TokenOutput(done.rid, -1, 0, -1, finish_reason="error", error=done.error)
+            commands.append(("xadd", (key, {FIELD: encode(failure)}), {}))
+        commands.append(("pexpire", (key, int(self.settings.out_stream_ttl * 1000)), {}))
+        entry_id = self.entry_ids.pop(done.rid, None)
+        if entry_id is not None:
+            commands.append(("xack", (self.keys.requests, self.keys.scheduler_group, entry_id), {}))
+            commands.append(("xdel", (self.keys.requests, entry_id), {}))
+        return commands
+
+    async def _execute_until_done(self, commands: list[tuple[str, tuple, dict]]) -> None:
+        # The core already counts these plans as in flight: they must reach Redis. A replay after a
+        # connection drop is harmless (workers skip plans they have run; the gateway skips indices).
+        backoff = Backoff()
+        while True:
+            pipe = self.client.pipeline(transaction=False)
+            for name, args, kwargs in commands:
+                getattr(pipe, name)(*args, **kwargs)
+            try:
+                await pipe.execute()
+                return
+            except RECONNECT_ERRORS as e:
+                log.warning("writing plans failed, retrying: %s", e)
+                await asyncio.sleep(backoff.next())
+
+    async def _sync_workers(self) -> None:
+        """Add registered workers whose heartbeat is alive; drop those whose heartbeat expired."""
+        registered = await self.client.hgetall(self.keys.workers)
+        ids = [k.decode() for k in registered]
+        alive = await asyncio.gather(*(self.client.exists(self.keys.heartbeat(w)) for w in ids)) if ids else []
+        live: dict[str, WorkerRegistration] = {}
+        for (raw_id, payload), is_alive in zip(registered.items(), alive):
+            try:
+                reg = decode(payload, WorkerRegistration)
+            except ProtocolError as e:
+                log.warning("dropped malformed registration of %s: %s", raw_id, e)
+                await self.client.hdel(self.keys.workers, raw_id)
+                continue
+            if is_alive:
+                live[reg.worker_id] = reg
+        for worker_id in list(self.core.worker_ids):
+            if worker_id not in live:
+                log.warning("worker %s is gone (heartbeat expired); resuming its requests elsewhere", worker_id)
+                self.core.remove_worker(worker_id)
+                await self.client.hdel(self.keys.workers, worker_id)
+        for worker_id, reg in live.items():
+            if worker_id not in self.core.worker_ids:
+                log.info("worker %s joined: %d blocks of %d tokens", worker_id, reg.num_blocks, reg.block_size)
+                self.core.add_worker(reg)
+
+    async def _tick(self) -> None:
+        owner = await self.client.get(self.keys.scheduler_lease)
+        if owner not in (self.name.encode(), None):
+            log.error("lease taken by %s; stopping", owner)
+            self.stop_event.set()
+            return
+        await self.client.set(self.keys.scheduler_lease, self.name, px=self._lease_ms)
+        await self._sync_workers()
+        now = time.time()
+        self.core.expire_waiting(now, self.settings.request_timeout)
+        await self.client.set(self.keys.stats, encode(self.core.stats(now)))
+        await self.pump()
+
+    async def _housekeeping(self) -> None:
+        while not self.stop_event.is_set():
+            await self._tick()
+            await asyncio.sleep(TICK_S)
+
+    async def run(self) -> None:
+        backoff = Backoff()
+        while not self.stop_event.is_set():
+            try:
+                await self._start()
+                break
+            except RECONNECT_ERRORS as e:
+                log.warning("Redis unreachable at start, retrying: %s", e)
+                await asyncio.sleep(backoff.next())
+        if self.stop_event.is_set():
+            return
+        requests_reader = connect_async(self.settings.redis_url, blocking=True)
+        read_control = await self._stream_reader(self.keys.control, (Abort, WorkerGone), self._on_control)
+        read_results = await self._stream_reader(self.keys.results, (StepResult,), self._on_result)
+        tasks = [
+            asyncio.create_task(self._read_forever("requests", lambda: self._read_requests(requests_reader))),
+            asyncio.create_task(self._read_forever("control", read_control)),
+            asyncio.create_task(self._read_forever("results", read_results)),
+            asyncio.create_task(self._read_forever("housekeeping", self._housekeeping)),
+        ]
+        await self.stop_event.wait()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            if await self.client.get(self.keys.scheduler_lease) == self.name.encode():
+                await self.client.delete(self.keys.scheduler_lease)
+        except RECONNECT_ERRORS:
+            pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pagedserve scheduler", description="pagedserve scheduler service")
+    Settings.add_arguments(parser)
+    settings = Settings.from_args(parser.parse_args(argv))
+    setup_logging("scheduler", settings.log_level)
+
+    async def serve() -> None:
+        service = SchedulerService(settings)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, service.stop_event.set)
+        await service.run()
+
+    asyncio.run(serve())

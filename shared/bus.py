@@ -1,0 +1,70 @@
+"""Redis connections for the services: the timeouts, retries and backoff every service uses.
+
+Blocking stream reads get their own client whose socket timeout outlasts the block time: redis-py 8
+defaults `socket_timeout` to 5 s, which would cut a longer XREAD short.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import redis
+import redis.asyncio
+from redis.backoff import ExponentialBackoff
+
+from shared.keys import FIELD
+from shared.protocol import Message, ProtocolError, decode
+
+BLOCK_MS = 1000  # longest blocking read; services wake at least this often to check their state
+_TIMEOUT = 5.0
+RECONNECT_ERRORS = (redis.ConnectionError, redis.TimeoutError, ConnectionError, OSError)
+log = logging.getLogger(__name__)
+
+
+def _options(blocking: bool) -> dict:
+    return dict(socket_timeout=_TIMEOUT + (BLOCK_MS / 1000 if blocking else 0), socket_connect_timeout=_TIMEOUT,
+                health_check_interval=10, retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+
+
+def connect(url: str, *, blocking: bool = False) -> redis.Redis:
+    from redis.retry import Retry
+
+    return redis.Redis.from_url(url, retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3), **_options(blocking))
+
+
+def connect_async(url: str, *, blocking: bool = False) -> redis.asyncio.Redis:
+    from redis.asyncio.retry import Retry
+
+    return redis.asyncio.Redis.from_url(url, retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
+                                        **_options(blocking))
+
+
+@dataclass(slots=True)
+class Backoff:
+    """Delays for reconnect loops: doubling from `base` up to `cap`, reset after a success."""
+    base: float = 0.05
+    cap: float = 2.0
+    current: float = 0.0
+
+    def next(self) -> float:
+        self.current = min(self.cap, self.current * 2 if self.current else self.base)
+        return self.current
+
+    def reset(self) -> None:
+        self.current = 0.0
+
+
+def decode_entry(stream: str, entry_id: bytes | str, fields: dict, expected: type | tuple[type, ...]) -> Message | None:
+    """The message of one stream entry, or None (logged) when it is malformed: services never crash on input."""
+    payload = fields.get(FIELD.encode(), fields.get(FIELD))
+    try:
+        if payload is None:
+            raise ProtocolError(f"entry has no {FIELD!r} field")
+        return decode(payload, expected)
+    except ProtocolError as e:
+        log.warning("dropped malformed entry %s on %s: %s", _text(entry_id), stream, e)
+        return None
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

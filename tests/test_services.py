@@ -1,0 +1,177 @@
+"""The scheduler and worker services over a real Redis, as real processes, driven through the bus.
+
+Oracles: the in-process engine (same cores, no Redis) and transformers' own generate.
+"""
+from __future__ import annotations
+
+import random
+import signal
+import time
+
+import pytest
+
+from bus_stack import Stack
+from pagedserve.bus_client import BusClient
+from shared.keys import FIELD, Keys
+from shared.sampling import SamplingParams
+from shared.settings import Settings
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def prompts(count: int, seed: int = 0, low: int = 5, high: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 512) for _ in range(rng.randrange(low, high))] for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    """Fault-free tokens from the in-process engine, memoised per (settings, prompts, params)."""
+    from pagedserve.engine import Engine
+
+    cache: dict = {}
+
+    def run(batch: list[list[int]], params: SamplingParams = GREEDY, **settings) -> list[list[int]]:
+        key = (tuple(map(tuple, batch)), repr(params), tuple(sorted(settings.items())))
+        if key not in cache:
+            engine = Engine(Settings(model=str(tiny_model_dir), **settings))
+            cache[key] = [c.samples[0].token_ids for c in engine.generate(batch, params)]
+        return cache[key]
+    return run
+
+
+def start(redis_url, tiny_model_dir, tmp_path, workers=("w0", "w1"), **settings) -> tuple[Stack, BusClient]:
+    stack = Stack(redis_url, tiny_model_dir, tmp_path, {k: str(v) for k, v in settings.items()})
+    client = BusClient(redis_url)
+    stack.start_scheduler()
+    for w in workers:
+        stack.start_worker(w)
+    client.wait_for(lambda: client.live_workers() == sorted(workers), "workers to register", stack=stack)
+    client.wait_for(lambda: (s := client.stats()) is not None and len(s.workers) == len(workers),
+                    "the scheduler to see the workers", stack=stack)
+    return stack, client
+
+
+@pytest.fixture
+def stack_factory(tiny_model_dir, tmp_path):
+    stacks: list[Stack] = []
+
+    def make(redis_url, **kwargs):
+        stack, client = start(redis_url, tiny_model_dir, tmp_path, **kwargs)
+        stacks.append(stack)
+        return stack, client
+    yield make
+    for stack in stacks:
+        stack.stop()
+
+
+def test_two_workers_match_engine_and_transformers(redis_url, stack_factory, reference, tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    stack, client = stack_factory(redis_url)
+    batch = prompts(8, seed=1)
+    rids = [client.submit(p, GREEDY) for p in batch]
+    client.wait(rids, stack=stack)
+    got = [client.output(r) for r in rids]
+    assert got == reference(batch)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model.generation_config.eos_token_id = None  # ignore_eos, as the requests under test
+    for prompt, tokens in list(zip(batch, got))[:3]:
+        ids = torch.tensor([prompt])
+        hf = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
+        assert hf[0, len(prompt):].tolist() == tokens
+    stats = client.stats()
+    assert all(w.running == 0 for w in stats.workers) and stats.running == 0 and stats.waiting == 0
+    assert sum(w.prefix_queries > 0 for w in stats.workers) == 2, "both workers served requests"
+
+
+def test_prefix_aware_placement(redis_url, stack_factory):
+    stack, client = stack_factory(redis_url)
+    prefix = prompts(1, seed=2, low=100, high=101)[0]
+    first = client.submit(prefix + [7, 8, 9], GREEDY)
+    client.wait([first], stack=stack)
+    rids = [client.submit(prefix + [10 + i, 11 + i], GREEDY) for i in range(4)]
+    client.wait(rids, stack=stack)
+    client.wait_for(lambda: client.stats().running == 0, "stats to settle")
+    hits = sorted(w.prefix_hits for w in client.stats().workers)
+    # 6 full blocks of the prefix are cached on one worker only: every sharing request must land there
+    assert hits[0] == 0 and hits[1] >= 4 * 96, hits
+
+
+def _stream_with_fault(client: BusClient, stack: Stack, batch, fault) -> list[list[int]]:
+    rids = [client.submit(p, GREEDY) for p in batch]
+    client.wait_for(lambda: (client.poll(), client.generated_count(rids) >= 40)[1], "tokens to stream")
+    fault()
+    client.wait(rids, timeout=180)
+    assert not client.errors, client.errors
+    assert not client.conflicts, f"an index was sent twice with different tokens: {client.conflicts}"
+    return [client.output(r) for r in rids]
+
+
+def test_worker_killed_mid_stream(redis_url, stack_factory, reference):
+    stack, client = stack_factory(redis_url)
+    batch = prompts(16, seed=3)
+    got = _stream_with_fault(client, stack, batch, lambda: stack.kill("w1"))
+    assert got == reference(batch)
+    client.wait_for(lambda: [w.worker_id for w in client.stats().workers] == ["w0"], "w1 to be dropped")
+
+
+def test_scheduler_killed_and_replaced(redis_url, stack_factory, reference):
+    stack, client = stack_factory(redis_url)
+    batch = prompts(16, seed=4)
+
+    def replace_scheduler() -> None:
+        stack.kill("scheduler")
+        stack.start_scheduler("scheduler-2")
+    assert _stream_with_fault(client, stack, batch, replace_scheduler) == reference(batch)
+    assert "resumed requests" in stack.log("scheduler-2")
+
+
+def test_redis_restart_mid_stream(own_redis, stack_factory, reference):
+    stack, client = stack_factory(own_redis.url)
+    batch = prompts(16, seed=5)
+
+    def restart() -> None:
+        own_redis.stop()
+        time.sleep(0.5)
+        own_redis.start()
+    assert _stream_with_fault(client, stack, batch, restart) == reference(batch)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_tiny_cache_preempts_and_still_matches(redis_url, stack_factory, reference, mode):
+    stack, client = stack_factory(redis_url, workers=("w0",), num_blocks=24, preemption_mode=mode)
+    batch = prompts(12, seed=6, low=20, high=40)
+    rids = [client.submit(p, GREEDY) for p in batch]
+    client.wait(rids, stack=stack)
+    assert client.stats().preemptions > 0
+    assert [client.output(r) for r in rids] == reference(batch, num_blocks=24, preemption_mode=mode)
+
+
+def test_malformed_messages_are_dropped(redis_url, stack_factory, reference):
+    stack, client = stack_factory(redis_url)
+    keys = Keys()
+    garbage = {FIELD: b"\xc1not msgpack"}
+    for stream in (keys.requests, keys.control, keys.results, keys.plans("w0"), keys.plans("w1")):
+        client.redis.xadd(stream, garbage)
+        client.redis.xadd(stream, {"other": b"1"})
+    batch = prompts(4, seed=7)
+    rids = [client.submit(p, GREEDY) for p in batch]
+    client.wait(rids, stack=stack)
+    assert [client.output(r) for r in rids] == reference(batch)
+    stack.assert_alive()
+    assert "dropped malformed entry" in stack.log("scheduler")
+    assert "dropped malformed entry" in stack.log("w0") + stack.log("w1")
+    assert client.redis.xlen(keys.requests) == 0, "the bad request entry was acknowledged and deleted"
+
+
+def test_worker_sigterm_deregisters(redis_url, stack_factory):
+    stack, client = stack_factory(redis_url)
+    stack.kill("w1", signal.SIGTERM)
+    assert client.live_workers() == ["w0"]
+    client.wait_for(lambda: [w.worker_id for w in client.stats().workers] == ["w0"], "w1 to leave")
+    rid = client.submit(prompts(1, seed=8)[0], GREEDY)
+    client.wait([rid], stack=stack)
+    assert len(client.output(rid)) == GREEDY.max_tokens
