@@ -1,0 +1,233 @@
+"""Triton kernels against the torch reference, run by Triton's CPU interpreter.
+
+tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported, so `@triton.jit` builds
+interpreted functions and the kernels run on CPU tensors. Caches start as NaN: a kernel that reads a
+slot the reference does not (the null block, a block's tail past the sequence, a padding table entry)
+poisons its output and fails the comparison.
+
+The interpreter multiplies bfloat16 `tl.dot` operands as raw bits (triton-lang/triton#11584, "not
+supported yet"), so attention runs here in float32 and float16; benchmarks/kernels_gpu.py checks
+bfloat16 on a GPU. bfloat16 is still covered where no dot is involved (store, copy).
+"""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kernels import attention_backend, reference, triton_ops
+
+SCALE = 0.125
+
+
+@dataclass(slots=True)
+class PagedBatch:
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+
+    def args(self) -> tuple:
+        return (self.query, self.key_cache, self.value_cache, self.block_tables, self.query_start_loc,
+                self.seq_lens, SCALE)
+
+
+def make_batch(rng: random.Random, chunks: list[tuple[int, int]], block_size: int, head_dim: int,
+               queries_per_kv: int, num_kv_heads: int, dtype: torch.dtype) -> PagedBatch:
+    """Sequences given as (cached context, new chunk) with shuffled pages, filled by the reference."""
+    seq_lens = [context + chunk for context, chunk in chunks]
+    pages = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(pages) + 4  # + the null block and spares that stay NaN
+    ids = list(range(1, num_blocks))
+    rng.shuffle(ids)
+    # one padding column beyond the longest sequence: entries 0 point at the (NaN) null block
+    block_tables = torch.zeros(len(chunks), max(pages) + 1, dtype=torch.int32)
+    slots = []
+    for s, (n, n_pages) in enumerate(zip(seq_lens, pages)):
+        block_tables[s, :n_pages] = torch.tensor(ids[:n_pages], dtype=torch.int32)
+        ids = ids[n_pages:]
+        slots += [int(block_tables[s, p // block_size]) * block_size + p % block_size for p in range(n)]
+        slots.append(-1)  # a padding token between sequences
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.full(shape, float("nan"), dtype=dtype)
+    value_cache = torch.full(shape, float("nan"), dtype=dtype)
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    kv_shape = (len(slots), num_kv_heads, head_dim)
+    reference.store_kv(torch.randn(kv_shape, generator=gen).to(dtype), torch.randn(kv_shape, generator=gen).to(dtype),
+                       key_cache, value_cache, torch.tensor(slots))
+    query_start_loc = torch.tensor([0] + [c for _, c in chunks], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    query = torch.randn(int(query_start_loc[-1]), num_kv_heads * queries_per_kv, head_dim, generator=gen).to(dtype)
+    return PagedBatch(query, key_cache, value_cache, block_tables, query_start_loc,
+                      torch.tensor(seq_lens, dtype=torch.int32))
+
+
+def mixed_chunks(rng: random.Random, block_size: int) -> list[tuple[int, int]]:
+    """Decodes, a fresh prefill, chunked prefills over cached contexts; contexts and chunk ends fall
+    inside pages, plus one chunk that starts and one that ends exactly on a page boundary."""
+    return [
+        (rng.randrange(1, 300), 1),
+        (0, rng.randrange(33, 65)),
+        (rng.randrange(1, 300), rng.randrange(2, 40)),
+        (block_size * (299 // block_size), rng.randrange(1, 64)),
+        (300, 1),
+        (rng.randrange(1, 200), 64 - 1),
+        (block_size - 5, 5),
+    ]
+
+
+def tolerance(dtype: torch.dtype) -> dict:
+    return {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 4e-3, "rtol": 4e-3}
+
+
+# block_size, head_dim, queries_per_kv, num_kv_heads, dtype, num_splits: every block size, head_dim
+# and GQA ratio appears, half the cases on the split-KV path (with more segments than some chunks'
+# key tiles, so empty segments are merged too)
+ATTENTION_CASES = [
+    (8, 64, 1, 2, torch.float32, 1),
+    (16, 80, 4, 1, torch.float32, 4),
+    (32, 96, 8, 1, torch.float32, 1),
+    (128, 128, 1, 2, torch.float32, 8),
+    (64, 256, 4, 1, torch.float32, 2),
+    (16, 64, 3, 2, torch.float16, 4),
+    (8, 128, 8, 1, torch.float16, 1),
+]
+
+
+@pytest.mark.parametrize("block_size,head_dim,qpk,kv_heads,dtype,num_splits", ATTENTION_CASES)
+def test_mixed_batch_matches_reference(block_size, head_dim, qpk, kv_heads, dtype, num_splits):
+    rng = random.Random(f"{block_size}-{head_dim}-{qpk}-{num_splits}")
+    batch = make_batch(rng, mixed_chunks(rng, block_size), block_size, head_dim, qpk, kv_heads, dtype)
+    out = triton_ops.unified_attention(*batch.args(), num_splits=num_splits)
+    expected = reference.paged_attention(*batch.args())
+    torch.testing.assert_close(out, expected, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("block_size,head_dim,qpk,num_splits", [(16, 128, 4, 1), (32, 80, 1, 16), (8, 64, 8, 4)])
+def test_decode_batch_matches_reference(block_size, head_dim, qpk, num_splits):
+    """All-decode batches take the 16-row decode tiles; contexts 0..300 around page edges."""
+    rng = random.Random(f"decode-{block_size}-{num_splits}")
+    contexts = [0, block_size - 1, block_size, 2 * block_size + 1, 300] + [rng.randrange(300) for _ in range(3)]
+    batch = make_batch(rng, [(c, 1) for c in contexts], block_size, head_dim, qpk, 1, torch.float32)
+    out = triton_ops.unified_attention(*batch.args(), num_splits=num_splits)
+    torch.testing.assert_close(out, reference.paged_attention(*batch.args()), **tolerance(torch.float32))
+
+
+def test_paged_attention_heuristic_path_strided_query_int64_metadata():
+    """The public entry point (heuristic split choice) with a sequence that has no new tokens, the
+    query a strided view into a fused projection, and int64 metadata."""
+    rng = random.Random("public-entry")
+    batch = make_batch(rng, [(20, 3), (40, 0), (0, 7)], 16, 64, 2, 1, torch.float32)
+    fused = torch.randn(batch.query.shape[0], 4, 64)
+    fused[:, :2] = batch.query
+    batch.query = fused[:, :2]
+    batch.block_tables, batch.query_start_loc, batch.seq_lens = (
+        batch.block_tables.long(), batch.query_start_loc.long(), batch.seq_lens.long())
+    out = triton_ops.paged_attention(*batch.args())
+    torch.testing.assert_close(out, reference.paged_attention(*batch.args()), **tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("source,cache_dtype", [(torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16)])
+def test_store_kv_matches_reference_with_padding_and_strided_input(source, cache_dtype):
+    gen = torch.Generator().manual_seed(5)
+    num_blocks, block_size, heads, dim = 6, 8, 3, 80
+    # key and value are views into one fused [tokens, 2 * heads * dim] projection, as a model makes them
+    fused = torch.randn(7, 2 * heads * dim, generator=gen).to(source)
+    key = fused[:, : heads * dim].view(7, heads, dim)
+    value = fused[:, heads * dim:].view(7, heads, dim)
+    slots = torch.tensor([9, -1, 40, 0, 47, -1, 17], dtype=torch.int32)
+    caches = [torch.randn(num_blocks, block_size, heads, dim, generator=gen).to(cache_dtype) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    triton_ops.store_kv(key, value, caches[0], caches[1], slots)
+    reference.store_kv(key, value, expected[0], expected[1], slots)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
+def test_copy_blocks_all_layers_match_reference():
+    gen = torch.Generator().manual_seed(6)
+    layers = [torch.randn(10, 16, 2, 64, generator=gen).to(torch.bfloat16) for _ in range(6)]
+    keys, values = layers[:3], layers[3:]
+    expected_keys, expected_values = [c.clone() for c in keys], [c.clone() for c in values]
+    mapping = torch.tensor([[3, 7], [5, 2], [9, 1]])
+    triton_ops.copy_blocks(keys, values, mapping)
+    reference.copy_blocks(expected_keys, expected_values, mapping)
+    for got, want in zip(keys + values, expected_keys + expected_values):
+        assert torch.equal(got, want)
+    triton_ops.copy_blocks(keys, values, torch.empty(0, 2, dtype=torch.int64))
+    for got, want in zip(keys + values, expected_keys + expected_values):
+        assert torch.equal(got, want)
+
+
+def test_copy_blocks_rejects_chained_or_out_of_range_copies():
+    caches = [torch.zeros(4, 8, 1, 16) for _ in range(2)]
+    with pytest.raises(ValueError, match="destinations"):
+        triton_ops.copy_blocks(caches[:1], caches[1:], torch.tensor([[1, 2], [2, 3]]))
+    with pytest.raises(ValueError, match="block ids"):
+        triton_ops.copy_blocks(caches[:1], caches[1:], torch.tensor([[1, 4]]))
+
+
+def test_attention_rejects_inconsistent_shapes():
+    cache = torch.zeros(4, 16, 2, 64)
+    meta = (torch.zeros(1, 2, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+            torch.tensor([1], dtype=torch.int32), SCALE)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        triton_ops.paged_attention(torch.zeros(1, 3, 64), cache, cache, *meta)
+    with pytest.raises(ValueError, match="query must be"):
+        triton_ops.paged_attention(torch.zeros(1, 4, 80), cache, cache, *meta)
+    with pytest.raises(ValueError, match="share dtype"):
+        triton_ops.paged_attention(torch.zeros(1, 4, 64, dtype=torch.float16), cache, cache, *meta)
+    with pytest.raises(ValueError, match="power of two"):
+        triton_ops.paged_attention(torch.zeros(1, 4, 64), torch.zeros(4, 12, 2, 64), torch.zeros(4, 12, 2, 64), *meta)
+    batch = torch.zeros(1, 4, 64), cache, cache, *meta
+    with pytest.raises(ValueError, match="num_splits"):
+        triton_ops.unified_attention(*batch, num_splits=3)
+
+
+def test_split_heuristic():
+    sms = 132
+    # batch 1 x 8 KV heads at 32k context: split as deep as allowed
+    assert triton_ops.num_kv_splits(8, 32768, sms) == triton_ops.MAX_SPLITS
+    # short contexts: no segment under MIN_SPLIT_TOKENS keys
+    assert triton_ops.num_kv_splits(8, 2 * triton_ops.MIN_SPLIT_TOKENS, sms) == 2
+    assert triton_ops.num_kv_splits(8, triton_ops.MIN_SPLIT_TOKENS - 1, sms) == 1
+    # a grid that already fills the SMs stays single-pass
+    assert triton_ops.num_kv_splits(64 * 8, 32768, sms) == 1
+    assert triton_ops.num_kv_splits(66, 32768, sms) == 2
+
+
+def test_launch_config_tiles():
+    decode = triton_ops.launch_config(4, 4, 8, 4, 128, 4096, 132)
+    assert (decode.block_m, decode.block_q, decode.tile_n) == (16, 4, 64)
+    assert decode.num_splits > 1  # 4 seqs x 8 KV heads leave most of 132 SMs idle
+    prefill = triton_ops.launch_config(4096, 4, 8, 4, 128, 4096, 132)
+    assert (prefill.block_m, prefill.block_q, prefill.tile_n, prefill.num_splits) == (64, 16, 64, 1)
+    mqa = triton_ops.launch_config(2, 2, 1, 32, 80, 1024, 1)
+    assert (mqa.block_m, mqa.block_q, mqa.tile_n, mqa.num_splits) == (32, 1, 64, 1)
+
+
+def test_compiled_kernels_refuse_cpu_tensors_without_the_interpreter():
+    """Without TRITON_INTERPRET the kernels are compiled for the GPU: CPU tensors get a clear error."""
+    code = ("import torch; from kernels import triton_ops\n"
+            "c = torch.zeros(2, 8, 1, 16)\n"
+            "try:\n"
+            "    triton_ops.store_kv(torch.zeros(1, 1, 16), torch.zeros(1, 1, 16), c, c.clone(),"
+            " torch.zeros(1, dtype=torch.int32))\n"
+            "except ValueError as e:\n"
+            "    print(e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "needs CUDA tensors" in result.stdout, result.stderr
+
+
+def test_dispatch():
+    assert attention_backend("triton", "cpu") is triton_ops
+    assert attention_backend("auto", "cpu") is reference
+    assert attention_backend("torch", "cuda") is reference
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        attention_backend("flash", "cpu")
