@@ -9,6 +9,9 @@ import pytest
 # Kernel tests run Triton's interpreter on the CPU; it must be on before triton is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# One compute thread per process: the suite starts several processes on a 2-core machine, and
+# oversubscribed BLAS threads turn milliseconds into seconds.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 

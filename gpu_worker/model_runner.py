@@ -1,0 +1,121 @@
+"""The device side of a worker: the model, its paged KV cache and the sampler; one forward pass per step."""
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import torch
+
+from gpu_worker.cache_engine import CacheEngine, CacheShape
+from gpu_worker.input_batch import prepare_inputs
+from gpu_worker.loader import load_config, load_model, resolve_dtype
+from gpu_worker.models.layers import ForwardContext, PagedAttention
+from gpu_worker.sampler import SampledToken, Sampler
+from gpu_worker.sequence import SequenceState
+from kernels import attention_backend
+from shared.model_dir import max_model_len, read_config
+from shared.sampling import SamplingParams
+from shared.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class CacheSizeError(ValueError):
+    """The memory given to the KV cache holds fewer than the two blocks a worker needs (null block + one)."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device cuda was asked for, but torch sees no CUDA device")
+    return torch.device(name)
+
+
+class ModelRunner:
+    def __init__(self, settings: Settings, model_dir: Path, progress: bool = True) -> None:
+        self.settings = settings
+        self.block_size = settings.block_size
+        self.device = resolve_device(settings.device)
+        self.max_model_len = max_model_len(read_config(model_dir), settings.max_model_len)
+        config = load_config(model_dir)
+        self.dtype = resolve_dtype(settings.dtype, self.device, config)
+        self.backend = attention_backend(settings.attention_backend, self.device.type)
+        free_before, total = torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else (0, 0)
+        self.model = load_model(model_dir, config, self.max_model_len, self.device, self.dtype, progress)
+        layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+        self.cache_shape = CacheShape(len(layers), layers[0].num_kv_heads, layers[0].head_dim, self.block_size,
+                                      self.dtype)
+        num_blocks = self._num_blocks(free_before, total)
+        num_swap_blocks = settings.swap_space_bytes // self.cache_shape.block_bytes
+        self.cache = CacheEngine(self.cache_shape, num_blocks, num_swap_blocks, self.device, self.backend)
+        self.sampler = Sampler(self.device)
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB), swap: %d blocks", num_blocks, self.block_size,
+                 num_blocks * self.cache_shape.block_bytes / 2**20, num_swap_blocks)
+
+    def _num_blocks(self, free_before: int, total: int) -> int:
+        block_bytes = self.cache_shape.block_bytes
+        if self.settings.num_blocks > 0:
+            num_blocks = self.settings.num_blocks
+        elif self.device.type == "cuda":
+            peak = self._profile_peak_bytes()
+            budget = total * self.settings.gpu_memory_utilization - (total - free_before) - peak
+            num_blocks = int(budget // block_bytes)
+            log.info("GPU memory: %.2f GiB total, %.2f GiB used before loading, peak %.2f GiB while profiling",
+                     total / 2**30, (total - free_before) / 2**30, peak / 2**30)
+        else:
+            num_blocks = self.settings.kv_cache_bytes // block_bytes
+        if num_blocks < 2:
+            raise CacheSizeError(
+                f"the KV cache holds {max(num_blocks, 0)} blocks of {block_bytes} bytes; a worker needs at least 2: "
+                "raise kv_cache_bytes (CPU) or gpu_memory_utilization (GPU), or set num_blocks")
+        if (num_blocks - 1) * self.block_size < self.max_model_len:
+            log.warning("the KV cache holds %d tokens, fewer than max_model_len %d: longer requests are refused",
+                        (num_blocks - 1) * self.block_size, self.max_model_len)
+        return num_blocks
+
+    @torch.inference_mode()
+    def _profile_peak_bytes(self) -> int:
+        """Peak device memory of the largest step the scheduler may send (weights included)."""
+        settings = self.settings
+        num_tokens = min(settings.max_num_batched_tokens, settings.max_num_seqs * self.max_model_len)
+        num_seqs = min(settings.max_num_seqs, num_tokens)
+        lengths = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+        blocks = [math.ceil(n / self.block_size) for n in lengths]
+        probe = CacheEngine(self.cache_shape, sum(blocks) + 1, 0, self.device, self.backend)
+        chunks, next_block = [], 1
+        for n, b in zip(lengths, blocks):
+            seq = SequenceState(-1, "profile", 0, SamplingParams(), [0] * n, n,
+                                list(range(next_block, next_block + b)))
+            chunks.append((seq, 0, n))
+            next_block += b
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._forward(chunks, probe).softmax(dim=-1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del probe
+        torch.cuda.empty_cache()
+        return peak
+
+    @torch.inference_mode()
+    def _forward(self, chunks: list[tuple[SequenceState, int, int]], cache: CacheEngine) -> torch.Tensor:
+        inputs = prepare_inputs(chunks, self.block_size, self.device)
+        ctx = ForwardContext(self.backend, cache.kv_caches, inputs.slot_mapping, inputs.block_tables,
+                             inputs.query_start_loc, inputs.seq_lens)
+        hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+        return self.model.compute_logits(hidden[inputs.logits_indices]).float()
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[tuple[SequenceState, int, int]],
+                eos_token_ids: list[int]) -> list[tuple[SequenceState, SampledToken]]:
+        """One forward pass over `chunks` (sequence, num_computed, num_new); sample each chunk that ends its
+        sequence. Returns (sequence, token) in chunk order."""
+        if not chunks:
+            return []
+        logits = self._forward(chunks, self.cache)
+        sampled = [seq for seq, computed, new in chunks if computed + new == len(seq.token_ids)]
+        if not sampled:
+            return []
+        return list(zip(sampled, self.sampler(logits, sampled, eos_token_ids)))

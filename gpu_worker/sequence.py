@@ -1,0 +1,35 @@
+"""What the worker remembers about a sequence between steps: its tokens, parameters and block table."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.protocol import NewSequence
+from shared.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class SequenceState:
+    seq_id: int
+    rid: str
+    sample_index: int
+    params: SamplingParams
+    token_ids: list[int]  # prompt + output
+    num_prompt_tokens: int
+    block_table: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_message(cls, msg: NewSequence) -> "SequenceState":
+        return cls(msg.seq_id, msg.rid, msg.sample_index, msg.params,
+                   list(msg.prompt_token_ids) + list(msg.output_token_ids), len(msg.prompt_token_ids))
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens

@@ -1,0 +1,146 @@
+"""The worker core (sans-IO): a step plan in, a step result out.
+
+It keeps each sequence's tokens, parameters and block table between steps and applies a plan in the
+order the protocol fixes (shared/protocol.py, StepPlan): new epoch → forget finished → swap out →
+swap in → copies → register new sequences → one forward pass → sample. A plan that contradicts the
+worker's state is refused whole, before anything changes, with a StepResult carrying the error.
+"""
+from __future__ import annotations
+
+import logging
+
+from gpu_worker.model_runner import ModelRunner
+from gpu_worker.sequence import SequenceState
+from shared import model_dir as model_dirs
+from shared.protocol import NewSequence, StepPlan, StepResult, TokenOutput, WorkerRegistration
+from shared.sampling import ParamError, finish_reason
+from shared.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class PlanError(ValueError):
+    """A step plan the worker cannot execute as written (unknown sequence, block out of range, ...)."""
+
+
+class Worker:
+    def __init__(self, settings: Settings, worker_id: str = "worker-0", progress: bool = True) -> None:
+        path = model_dirs.resolve_model_dir(settings.model)
+        self.runner = ModelRunner(settings, path, progress)
+        self.eos_token_ids = model_dirs.eos_token_ids(path)
+        self.vocab_size = self.runner.model.lm_head.out_features
+        self._registration = WorkerRegistration(
+            worker_id=worker_id,
+            model_id=model_dirs.served_model_name(path, settings.served_model_name),
+            num_blocks=self.runner.cache.num_blocks,
+            num_swap_blocks=self.runner.cache.num_swap_blocks,
+            block_size=settings.block_size,
+            max_model_len=self.runner.max_model_len,
+            eos_token_ids=list(self.eos_token_ids),
+        )
+        self.epoch: int | None = None
+        self.seqs: dict[int, SequenceState] = {}
+
+    @property
+    def registration(self) -> WorkerRegistration:
+        return self._registration
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        reg = self._registration
+        try:
+            self._check(plan)
+        except PlanError as e:
+            log.error("refused step %d of epoch %d: %s", plan.step_id, plan.epoch, e)
+            return StepResult(reg.worker_id, plan.epoch, plan.step_id, error=f"bad step plan: {e}")
+        if plan.epoch != self.epoch:
+            self.seqs.clear()
+            self.epoch = plan.epoch
+        for seq_id in plan.finished:
+            self.seqs.pop(seq_id, None)
+        cache = self.runner.cache
+        cache.swap_out(plan.swap_out)
+        cache.swap_in(plan.swap_in)
+        cache.copy(plan.copies)
+        for msg in plan.new_sequences:
+            self.seqs[msg.seq_id] = SequenceState.from_message(msg)
+        chunks = []
+        for item in plan.scheduled:
+            seq = self.seqs[item.seq_id]
+            if item.block_table is not None:
+                seq.block_table = list(item.block_table)
+            else:
+                seq.block_table.extend(item.new_block_ids)
+            chunks.append((seq, item.num_computed_tokens, item.num_new_tokens))
+        outputs = []
+        for seq, sampled in self.runner.execute(chunks, self.eos_token_ids):
+            output_index = seq.num_output_tokens
+            seq.token_ids.append(sampled.token_id)
+            reason = finish_reason(seq.params, seq.output_token_ids, len(seq.token_ids), reg.max_model_len,
+                                   self.eos_token_ids)
+            outputs.append(TokenOutput(seq.rid, seq.sample_index, output_index, sampled.token_id, sampled.logprob,
+                                       sampled.top_logprobs, reason))
+        return StepResult(reg.worker_id, plan.epoch, plan.step_id, outputs)
+
+    def _check(self, plan: StepPlan) -> None:
+        """Raise PlanError unless the whole plan is executable against the state it will meet."""
+        reg = self._registration
+        if plan.worker_id != reg.worker_id:
+            raise PlanError(f"plan for worker {plan.worker_id!r} reached {reg.worker_id!r}")
+        live = set() if plan.epoch != self.epoch else set(self.seqs) - set(plan.finished)
+        _check_pairs("swap_out", plan.swap_out, (1, reg.num_blocks), (0, reg.num_swap_blocks))
+        _check_pairs("swap_in", plan.swap_in, (0, reg.num_swap_blocks), (1, reg.num_blocks))
+        _check_pairs("copies", plan.copies, (1, reg.num_blocks), (1, reg.num_blocks))
+        lengths: dict[int, int] = {}
+        for msg in plan.new_sequences:
+            if msg.seq_id in live:
+                raise PlanError(f"new sequence {msg.seq_id} is already known")
+            self._check_new(msg)
+            live.add(msg.seq_id)
+            lengths[msg.seq_id] = len(msg.prompt_token_ids) + len(msg.output_token_ids)
+        seen = set()
+        for item in plan.scheduled:
+            sid = item.seq_id
+            if sid not in live:
+                raise PlanError(f"sequence {sid} is scheduled but unknown (never sent or already finished)")
+            if sid in seen:
+                raise PlanError(f"sequence {sid} is scheduled twice")
+            seen.add(sid)
+            length = lengths[sid] if sid in lengths else len(self.seqs[sid].token_ids)
+            end = item.num_computed_tokens + item.num_new_tokens
+            if item.num_computed_tokens < 0 or item.num_new_tokens < 1 or end > length:
+                raise PlanError(f"sequence {sid} of {length} tokens cannot compute tokens "
+                                f"[{item.num_computed_tokens}, {end})")
+            if end > reg.max_model_len:
+                raise PlanError(f"sequence {sid} reaches {end} tokens, beyond max_model_len {reg.max_model_len}")
+            if item.block_table is not None:
+                table_len = len(item.block_table)
+                added = item.block_table
+            else:
+                table_len = (0 if sid in lengths else len(self.seqs[sid].block_table)) + len(item.new_block_ids)
+                added = item.new_block_ids
+            bad = [b for b in added if not 1 <= b < reg.num_blocks]
+            if bad:
+                raise PlanError(f"sequence {sid} got block ids outside 1..{reg.num_blocks - 1}: {bad[:4]}")
+            if table_len * reg.block_size < end:
+                raise PlanError(f"sequence {sid}'s block table of {table_len} blocks does not cover {end} tokens")
+
+    def _check_new(self, msg: NewSequence) -> None:
+        tokens = [*msg.prompt_token_ids, *msg.output_token_ids]
+        if not msg.prompt_token_ids:
+            raise PlanError(f"new sequence {msg.seq_id} has an empty prompt")
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise PlanError(f"new sequence {msg.seq_id} has token ids outside the vocabulary "
+                            f"(0..{self.vocab_size - 1}): {bad[:4]}")
+        try:
+            msg.params.validate()
+        except ParamError as e:
+            raise PlanError(f"new sequence {msg.seq_id}: {e}") from None
+
+
+def _check_pairs(name: str, pairs: list[tuple[int, int]], src_range: tuple[int, int],
+                 dst_range: tuple[int, int]) -> None:
+    for src, dst in pairs:
+        if not (src_range[0] <= src < src_range[1] and dst_range[0] <= dst < dst_range[1]):
+            raise PlanError(f"{name} pair ({src}, {dst}) is out of range: sources {src_range[0]}.."
+                            f"{src_range[1] - 1}, targets {dst_range[0]}..{dst_range[1] - 1}")

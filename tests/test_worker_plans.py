@@ -1,0 +1,252 @@
+"""The worker core under every kind of plan the scheduler sends: prefix hits, chunked prefill, mixed
+steps, swapping, recompute, copy-on-write forks, epochs, finishes, bad plans. Oracle: transformers'
+greedy tokens on the same weights (float32)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from plan_builder import PlanBuilder, run_until, step
+from worker_oracle import Transformers, prompts, single_thread, write_tiny  # noqa: F401 (fixture)
+
+from gpu_worker.worker import Worker
+from shared.protocol import NewSequence, ScheduledSequence, StepPlan
+from shared.sampling import SamplingParams
+from shared.settings import Settings
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 48
+NEW = 32
+ARCHS = ["llama", "opt"]  # rotary and learned (offset) positions
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def model(request, tmp_path_factory):
+    model_dir = write_tiny(request.param, tmp_path_factory.mktemp("models") / request.param)
+    return model_dir, Transformers(model_dir)
+
+
+def make_worker(model_dir, **settings) -> tuple[Worker, PlanBuilder]:
+    settings.setdefault("num_blocks", NUM_BLOCKS)
+    worker = Worker(Settings(model=str(model_dir), block_size=BLOCK_SIZE, swap_space_bytes=1 << 20, **settings),
+                    progress=False)
+    reg = worker.registration
+    return worker, PlanBuilder(reg.worker_id, reg.num_blocks, BLOCK_SIZE, reg.num_swap_blocks)
+
+
+def test_prefix_cache_hit(model):
+    model_dir, hf = model
+    worker, builder = make_worker(model_dir)
+    first, tail = prompts([40, 9], seed=5)
+    a = builder.add(first)
+    run_until(worker, builder, [a], 4)
+    second = first[:32] + tail
+    b = builder.add(second, prefix_of=a, cached_blocks=2)
+    builder.schedule(b)
+    plan = builder.plan()
+    assert (plan.scheduled[0].num_computed_tokens, plan.scheduled[0].num_new_tokens) == (32, 9)
+    builder.apply(worker.execute(plan))
+    run_until(worker, builder, [a, b], NEW)
+    assert b.outputs == hf.greedy(second, NEW)
+    assert a.outputs == hf.greedy(first, NEW)
+
+    # control: the same plan over blocks that were never written gives other tokens
+    worker, builder = make_worker(model_dir)
+    c = builder.add(second)
+    c.num_computed = 32
+    c.blocks = [builder._alloc(), builder._alloc()]
+    run_until(worker, builder, [c], 8)
+    assert c.outputs != hf.greedy(second, 8)
+
+
+def test_chunked_prefill(model):
+    model_dir, hf = model
+    worker, builder = make_worker(model_dir)
+    (prompt,) = prompts([50], seed=6)
+    seq = builder.add(prompt)
+    while seq.num_computed < len(prompt):
+        builder.schedule(seq, min(7, len(prompt) - seq.num_computed))
+        result = step(worker, builder)
+        assert len(result.outputs) == (1 if seq.num_computed == len(prompt) else 0)
+    run_until(worker, builder, [seq], NEW)
+    assert seq.outputs == hf.greedy(prompt, NEW)
+
+
+def test_mixed_prefill_and_decode_steps(model):
+    model_dir, hf = model
+    worker, builder = make_worker(model_dir)
+    short, long, late = prompts([12, 45, 20], seed=7)
+    a = builder.add(short)
+    run_until(worker, builder, [a], 5)
+    b = builder.add(long)
+    while b.num_computed < len(long):
+        builder.schedule(a)
+        builder.schedule(b, min(16, len(long) - b.num_computed))
+        plan = builder.plan()
+        assert [s.num_new_tokens for s in plan.scheduled][0] == 1
+        builder.apply(worker.execute(plan))
+    c = builder.add(late)
+    run_until(worker, builder, [a, b, c], NEW)
+    assert [a.outputs, b.outputs, c.outputs] == [hf.greedy(p, NEW) for p in (short, long, late)]
+
+
+def test_swap_out_and_back_in(model):
+    model_dir, hf = model
+    worker, builder = make_worker(model_dir)
+    first, second, third = prompts([20, 25, 40], seed=8)
+    a, b = builder.add(first), builder.add(second)
+    run_until(worker, builder, [a, b], 10)
+    old_blocks = list(a.blocks)
+    builder.swap_out(a)
+    builder.schedule(b)
+    step(worker, builder)
+    c = builder.add(third)  # takes the blocks a left: their contents are overwritten
+    run_until(worker, builder, [b, c], 14)
+    assert set(old_blocks) & set(c.blocks)
+    builder.swap_in(a)
+    assert a.blocks != old_blocks
+    run_until(worker, builder, [a, b, c], NEW)
+    assert [a.outputs, b.outputs, c.outputs] == [hf.greedy(p, NEW) for p in (first, second, third)]
+
+
+def test_recompute_after_preemption(model):
+    model_dir, hf = model
+    worker, builder = make_worker(model_dir)
+    first, second = prompts([19, 30], seed=9)
+    a, b = builder.add(first), builder.add(second)
+    run_until(worker, builder, [a, b], 10)
+    resumed = builder.recompute(a)  # freed; re-sent as prompt + the 10 outputs under a new seq id
+    assert resumed.seq_id != a.seq_id and resumed.outputs == a.outputs
+    builder.schedule(b)
+    step(worker, builder)
+    run_until(worker, builder, [resumed, b], NEW)
+    assert [resumed.outputs, b.outputs] == [hf.greedy(first, NEW), hf.greedy(second, NEW)]
+
+
+def fork_run(worker: Worker, builder: PlanBuilder, prompt: list[int], params: SamplingParams,
+             n: int, new_tokens: int) -> tuple[list, list]:
+    """The paper's parallel sampling: sample 0 computes the prompt but its last token, n-1 children share
+    its blocks, then all n write their own copy of the shared partly filled block."""
+    parent = builder.add(prompt, params)
+    builder.schedule(parent, len(prompt) - 1)
+    assert step(worker, builder).outputs == []
+    samples = [parent] + [builder.fork(parent, i) for i in range(1, n)]
+    for s in samples:
+        builder.schedule(s)
+    plan = builder.plan()
+    builder.apply(worker.execute(plan))
+    run_until(worker, builder, samples, new_tokens)
+    return samples, plan.copies
+
+
+def test_copy_on_write_fork_greedy(model):
+    model_dir, hf = model
+    worker, builder = make_worker(model_dir)
+    (prompt,) = prompts([21], seed=10)
+    samples, copies = fork_run(worker, builder, prompt, SamplingParams(n=3, temperature=0.0), 3, NEW)
+    assert len(copies) == 2  # two writers copy, the last one writes the block in place
+    assert all(s.outputs == hf.greedy(prompt, NEW) for s in samples)
+
+
+def test_copy_on_write_fork_seeded_matches_unshared_runs(model):
+    model_dir, _ = model
+    (prompt,) = prompts([21], seed=11)
+    params = SamplingParams(n=3, temperature=1.0, seed=1234)
+    worker, builder = make_worker(model_dir)
+    samples, copies = fork_run(worker, builder, prompt, params, 3, 16)
+    assert copies
+    assert len({tuple(s.outputs) for s in samples}) > 1
+    for s in samples:
+        alone_worker, alone_builder = make_worker(model_dir)
+        alone = alone_builder.add(prompt, params, sample_index=s.sample_index)
+        run_until(alone_worker, alone_builder, [alone], 16)
+        assert alone.outputs == s.outputs
+
+
+def test_new_epoch_drops_state(model):
+    model_dir, hf = model
+    worker, builder = make_worker(model_dir)
+    (prompt,) = prompts([15], seed=12)
+    a = builder.add(prompt)
+    run_until(worker, builder, [a], 3)
+    stale = StepPlan(builder.worker_id, 1, 0, scheduled=[ScheduledSequence(a.seq_id, len(a.tokens) - 1, 1)])
+    result = worker.execute(stale)
+    assert result.outputs == [] and "unknown" in result.error
+    fresh = PlanBuilder(builder.worker_id, NUM_BLOCKS, BLOCK_SIZE, epoch=1)
+    b = fresh.add(prompt)
+    assert b.seq_id == a.seq_id  # ids restart with the epoch
+    run_until(worker, fresh, [b], NEW)
+    assert b.outputs == hf.greedy(prompt, NEW)
+
+
+def test_bad_plans_are_refused_without_side_effects(model):
+    model_dir, hf = model
+    worker, builder = make_worker(model_dir)
+    (prompt,) = prompts([18], seed=13)
+    a = builder.add(prompt)
+    run_until(worker, builder, [a], 4)
+    wid, n = builder.worker_id, len(a.tokens)
+    vocab = worker.vocab_size
+    bad_plans = {
+        "outside": StepPlan(wid, 0, 100, scheduled=[ScheduledSequence(a.seq_id, n - 1, 1, [NUM_BLOCKS])]),
+        "does not cover": StepPlan(wid, 0, 100, new_sequences=[
+            NewSequence(99, "x", 0, [5] * 40, [], SamplingParams())], scheduled=[ScheduledSequence(99, 0, 40, [3])]),
+        "vocabulary": StepPlan(wid, 0, 100, new_sequences=[NewSequence(99, "x", 0, [vocab], [], SamplingParams())]),
+        "cannot compute": StepPlan(wid, 0, 100, scheduled=[ScheduledSequence(a.seq_id, n - 1, 2)]),
+        "already known": StepPlan(wid, 0, 100, new_sequences=[
+            NewSequence(a.seq_id, "x", 0, [5], [], SamplingParams())]),
+        "scheduled twice": StepPlan(wid, 0, 100, scheduled=[ScheduledSequence(a.seq_id, n - 1, 1)] * 2),
+        "copies": StepPlan(wid, 0, 100, copies=[(0, 3)]),
+        "reached": StepPlan("someone-else", 0, 100),
+        "top_p": StepPlan(wid, 0, 100, new_sequences=[NewSequence(98, "x", 0, [5], [], SamplingParams(top_p=0.0))]),
+    }
+    for needle, plan in bad_plans.items():
+        result = worker.execute(plan)
+        assert result.error is not None and needle in result.error, (needle, result.error)
+        assert result.outputs == []
+    assert 99 not in worker.seqs and 98 not in worker.seqs
+    run_until(worker, builder, [a], NEW)
+    assert a.outputs == hf.greedy(prompt, NEW)
+
+
+def test_finish_reasons(model):
+    model_dir, hf = model
+    (prompt,) = prompts([10], seed=14)
+    expected = hf.greedy(prompt, NEW)
+    # the first output that did not occur before is a clean stop token
+    index = next(i for i in range(2, NEW) if expected[i] not in expected[:i])
+    stop = expected[index]
+    worker, builder = make_worker(model_dir)
+    capped = builder.add(prompt, SamplingParams(temperature=0.0, max_tokens=5))
+    stopped = builder.add(prompt, SamplingParams(temperature=0.0, stop_token_ids=[stop]))
+    held = builder.add(prompt, SamplingParams(temperature=0.0, stop_token_ids=[stop], min_tokens=index + 1))
+    run_until(worker, builder, [capped, stopped, held], max(index + 1, 5))
+    assert capped.finish_reasons[:5] == [None] * 4 + ["length"]
+    assert stopped.outputs[:index + 1] == expected[:index + 1]
+    assert stopped.finish_reasons[:index + 1] == [None] * index + ["stop"]
+    # before min_tokens the stop token is masked out: another token, and no finish
+    assert held.outputs[:index] == expected[:index] and held.outputs[index] != stop
+    assert held.finish_reasons[:index + 1] == [None] * (index + 1)
+
+    worker, builder = make_worker(model_dir, max_model_len=len(prompt) + 6)
+    long = builder.add(prompt, SamplingParams(temperature=0.0, max_tokens=100))
+    run_until(worker, builder, [long], 6)
+    assert long.finish_reasons == [None] * 5 + ["length"]
+
+
+def test_logprobs_are_the_model_distribution(model):
+    model_dir, hf = model
+    (prompt,) = prompts([13], seed=15)
+    worker, builder = make_worker(model_dir)
+    top3 = builder.add(prompt, SamplingParams(temperature=0.0, logprobs=3))
+    chosen_only = builder.add(prompt, SamplingParams(temperature=0.0, logprobs=0))
+    none = builder.add(prompt, SamplingParams(temperature=0.0, repetition_penalty=1.5))
+    run_until(worker, builder, [top3, chosen_only, none], 8)
+    reference = hf.logprobs(top3.tokens)[len(prompt) - 1:-1]
+    for i, token in enumerate(top3.outputs):
+        assert top3.logprobs[i] == pytest.approx(reference[i, token].item(), abs=1e-4)
+        values, ids = reference[i].topk(3)
+        assert [t for t, _ in top3.top_logprobs[i]] == ids.tolist()
+        assert torch.allclose(torch.tensor([v for _, v in top3.top_logprobs[i]]), values, atol=1e-4)
+        assert top3.top_logprobs[i][0] == (token, top3.logprobs[i])  # greedy takes the most likely token
+    assert chosen_only.logprobs == top3.logprobs and chosen_only.top_logprobs == [[]] * 8
+    assert none.logprobs == [None] * 8
