@@ -1,0 +1,79 @@
+"""The gateway's side of the Redis bus: submit requests, read their token streams, abort, read state."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator
+
+from shared.bus import BLOCK_MS, RECONNECT_ERRORS, Backoff, connect_async, decode_entry
+from shared.keys import FIELD, Keys
+from shared.protocol import Abort, ProtocolError, Request, SchedulerStats, TokenOutput, decode, encode
+
+log = logging.getLogger(__name__)
+READ_COUNT = 256
+
+
+class Bus:
+    def __init__(self, url: str, keys: Keys | None = None) -> None:
+        self.keys = keys or Keys()
+        self.client = connect_async(url)
+        self.reader = connect_async(url, blocking=True)  # one connection per waiting request
+
+    async def close(self) -> None:
+        await self.client.aclose()
+        await self.reader.aclose()
+
+    async def submit(self, requests: list[Request]) -> None:
+        async with self.client.pipeline(transaction=False) as pipe:
+            for req in requests:
+                pipe.xadd(self.keys.requests, {FIELD: encode(req)})
+            await pipe.execute()
+
+    async def abort(self, rids: list[str], reason: str) -> None:
+        async with self.client.pipeline(transaction=False) as pipe:
+            for rid in rids:
+                pipe.xadd(self.keys.control, {FIELD: encode(Abort(rid, reason))})
+            await pipe.execute()
+
+    async def outputs(self, rid: str) -> AsyncIterator[TokenOutput]:
+        """Every TokenOutput of `rid` from the start of its stream; waits out Redis restarts."""
+        key = self.keys.out(rid)
+        cursor: bytes | str = "0-0"
+        backoff = Backoff()
+        while True:
+            try:
+                reply = await self.reader.xread({key: cursor}, count=READ_COUNT, block=BLOCK_MS)
+            except RECONNECT_ERRORS as e:
+                delay = backoff.next()
+                log.warning("reading %s failed (%s); retrying in %.2f s", key, e, delay)
+                await asyncio.sleep(delay)
+                continue
+            backoff.reset()
+            for _, entries in reply or ():
+                for entry_id, fields in entries:
+                    cursor = entry_id
+                    out = decode_entry(key, entry_id, fields, TokenOutput)
+                    if out is not None:
+                        yield out
+
+    async def live_workers(self) -> tuple[list[str], int]:
+        """(ids of workers whose heartbeat key exists, number of registered workers)."""
+        registered = [w.decode() for w in await self.client.hkeys(self.keys.workers)]
+        if not registered:
+            return [], 0
+        async with self.client.pipeline(transaction=False) as pipe:
+            for worker_id in registered:
+                pipe.exists(self.keys.heartbeat(worker_id))
+            alive = await pipe.execute()
+        return sorted(w for w, up in zip(registered, alive) if up), len(registered)
+
+    async def stats(self) -> SchedulerStats | None:
+        """The scheduler's latest snapshot, or None if there is none (or it is unreadable)."""
+        raw = await self.client.get(self.keys.stats)
+        if raw is None:
+            return None
+        try:
+            return decode(raw, SchedulerStats)
+        except ProtocolError as e:
+            log.warning("ignoring a malformed scheduler stats snapshot: %s", e)
+            return None

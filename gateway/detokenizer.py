@@ -1,0 +1,45 @@
+"""Incremental detokenization: text deltas from a growing list of token ids, whole characters only.
+
+A byte-level tokenizer can split one UTF-8 character over several tokens; decoding such a prefix ends
+in U+FFFD. The detokenizer decodes a short window [prefix_offset:] against [prefix_offset:read_offset]
+and emits the difference only once it no longer ends in U+FFFD (vLLM's method), so the deltas join to
+exactly `decode(output ids)`. A few prompt tokens seed the window so tokenizers that drop a leading
+space at the start of a decode (SentencePiece) still render the first output token's space.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+PROMPT_CONTEXT = 5
+REPLACEMENT = "\ufffd"
+
+
+@dataclass(slots=True)
+class IncrementalDetokenizer:
+    decode: Callable[[list[int]], str]
+    token_ids: list[int] = field(default_factory=list)
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    @classmethod
+    def after_prompt(cls, decode: Callable[[list[int]], str], prompt_ids: list[int]) -> "IncrementalDetokenizer":
+        context = list(prompt_ids[-PROMPT_CONTEXT:])
+        return cls(decode, context, 0, len(context))
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the text it completes (empty while a character is still partial)."""
+        self.token_ids.append(token_id)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """At the end of the sequence: whatever is still held back, replacement characters included."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        prefix = self.decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full = self.decode(self.token_ids[self.prefix_offset:])
+        if len(full) > len(prefix) and (final or not full.endswith(REPLACEMENT)):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+            return full[len(prefix):]
+        return ""

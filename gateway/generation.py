@@ -1,0 +1,103 @@
+"""One bus request seen from the gateway: TokenOutputs in, text deltas out (sans-IO).
+
+Applies the bus contract: entries are deduplicated by (sample_index, output_index), since a request
+resumed after a failure may repeat indices; a sample ends at the entry carrying its finish reason; an
+entry with sample_index -1 and finish reason "error" ends the whole request. Text is detokenized
+incrementally and checked for stop strings; a sample that hits one is finished here, and the request
+must then be aborted on the bus (`needs_abort`) so the scheduler frees its blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.stop import StopStrings
+from shared.protocol import TokenOutput
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float | None
+    top: list[tuple[int, float]]
+    text_offset: int  # where this token's text starts in the sample's detokenized text
+
+
+@dataclass(slots=True)
+class Delta:
+    """What one new token changes for one sample: text to send (maybe empty), its logprob, the finish."""
+    sample_index: int
+    text: str
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+
+
+@dataclass(slots=True)
+class Sample:
+    detok: IncrementalDetokenizer
+    stop: StopStrings
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    text: str = ""  # sent (or to be sent) to the client
+    detok_len: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+    ended_on_bus: bool = False
+
+
+class RequestTracker:
+    def __init__(self, rid: str, n: int, prompt_ids: list[int], decode: Callable[[list[int]], str],
+                 stops: list[str]) -> None:
+        self.rid = rid
+        self.samples = [Sample(IncrementalDetokenizer.after_prompt(decode, prompt_ids), StopStrings(list(stops)))
+                        for _ in range(n)]
+        self.error: str | None = None
+        self.ended_on_bus = False  # the scheduler ended the whole request (error)
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or all(s.finish_reason is not None for s in self.samples)
+
+    @property
+    def needs_abort(self) -> bool:
+        """Finished here while the scheduler still runs some sample (a stop string was hit)."""
+        return not self.ended_on_bus and not all(s.ended_on_bus for s in self.samples)
+
+    @property
+    def num_generated(self) -> int:
+        return sum(len(s.token_ids) for s in self.samples)
+
+    def apply(self, out: TokenOutput) -> Delta | None:
+        """Take one entry of the request's output stream; None if it changes nothing."""
+        if out.rid != self.rid or self.error is not None:
+            return None
+        if out.sample_index == -1:
+            if out.finish_reason == "error":
+                self.error = out.error or "the request failed"
+                self.ended_on_bus = True
+            return None
+        if not 0 <= out.sample_index < len(self.samples):
+            return None
+        sample = self.samples[out.sample_index]
+        if out.finish_reason is not None:
+            sample.ended_on_bus = True
+        if sample.finish_reason is not None or out.output_index < len(sample.token_ids):
+            return None
+        sample.token_ids.append(out.token_id)
+        record = TokenLogprob(out.token_id, out.logprob, list(out.top_logprobs), sample.detok_len)
+        sample.logprobs.append(record)
+        # A token that ends the sample as a stop token (EOS or stop_token_ids) is not part of the text.
+        new = "" if out.finish_reason == "stop" else sample.detok.add(out.token_id)
+        if out.finish_reason is not None:
+            new += sample.detok.flush()
+        sample.detok_len += len(new)
+        text, stop = sample.stop.feed(new)
+        if stop is not None:
+            sample.finish_reason, sample.stop_reason = "stop", stop
+        elif out.finish_reason is not None:
+            text += sample.stop.flush()
+            sample.finish_reason = out.finish_reason
+        sample.text += text
+        return Delta(out.sample_index, text, [record], sample.finish_reason, sample.stop_reason)

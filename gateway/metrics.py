@@ -1,0 +1,85 @@
+"""Prometheus metrics: the gateway's own counters and latency histograms, plus the scheduler's snapshot.
+
+Queue time is measured from the moment a request enters the bus to its first token, so it includes
+the first prefill step: the bus carries no scheduling timestamp back to the gateway.
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from shared.protocol import SchedulerStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+FAST_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+SLOW_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+
+
+class SchedulerCollector:
+    """Exports the last SchedulerStats read from Redis; absent until a scheduler has written one."""
+
+    def __init__(self) -> None:
+        self.stats: SchedulerStats | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats
+        if s is None:
+            return
+        for name, value, doc in (("num_requests_running", s.running, "requests with sequences running"),
+                                 ("num_requests_waiting", s.waiting, "requests waiting to be scheduled"),
+                                 ("num_requests_preempted", s.preempted, "requests preempted, waiting to resume")):
+            yield GaugeMetricFamily(f"pagedserve_{name}", doc, value=value)
+        yield CounterMetricFamily("pagedserve_num_preemptions", "preemptions since the scheduler started",
+                                  value=s.preemptions)
+        yield GaugeMetricFamily("pagedserve_scheduler_stats_age_seconds", "age of the scheduler's snapshot",
+                                value=max(time.time() - s.time, 0.0))
+        usage = GaugeMetricFamily("pagedserve_kv_cache_usage_perc", "share of KV blocks in use (0-1)",
+                                  labels=["worker"])
+        blocks = GaugeMetricFamily("pagedserve_kv_cache_blocks", "KV blocks of the worker", labels=["worker"])
+        running = GaugeMetricFamily("pagedserve_worker_running_sequences", "sequences running on the worker",
+                                    labels=["worker"])
+        queries = CounterMetricFamily("pagedserve_prefix_cache_queries", "prompt tokens looked up in the "
+                                      "prefix cache", labels=["worker"])
+        hits = CounterMetricFamily("pagedserve_prefix_cache_hits", "prompt tokens found in the prefix cache",
+                                   labels=["worker"])
+        for w in s.workers:
+            used = w.num_blocks - w.free_blocks
+            usage.add_metric([w.worker_id], used / w.num_blocks if w.num_blocks else 0.0)
+            blocks.add_metric([w.worker_id], w.num_blocks)
+            running.add_metric([w.worker_id], w.running)
+            queries.add_metric([w.worker_id], w.prefix_queries)
+            hits.add_metric([w.worker_id], w.prefix_hits)
+        yield from (usage, blocks, running, queries, hits)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.prompt_tokens = Counter("pagedserve_prompt_tokens", "prompt tokens submitted", registry=r)
+        self.generation_tokens = Counter("pagedserve_generation_tokens", "tokens generated and received",
+                                         registry=r)
+        self.finished = Counter("pagedserve_request_finished", "choices ended, by finish reason",
+                                ["finish_reason"], registry=r)
+        self.ttft = Histogram("pagedserve_time_to_first_token_seconds", "HTTP request received to first token",
+                              buckets=FAST_BUCKETS, registry=r)
+        self.tpot = Histogram("pagedserve_time_per_output_token_seconds", "mean gap between a request's tokens "
+                              "after the first", buckets=FAST_BUCKETS, registry=r)
+        self.e2e = Histogram("pagedserve_e2e_request_latency_seconds", "HTTP request received to last token",
+                             buckets=SLOW_BUCKETS, registry=r)
+        self.queue = Histogram("pagedserve_request_queue_time_seconds", "request entering the bus to its "
+                               "first token", buckets=SLOW_BUCKETS, registry=r)
+        self.waiting = Gauge("pagedserve_gateway_waiting_requests", "requests of this gateway without a first "
+                             "token yet", registry=r)
+        self.workers_alive = Gauge("pagedserve_workers_alive", "workers with a fresh heartbeat", registry=r)
+        self.scheduler = SchedulerCollector()
+        r.register(self.scheduler)
+
+    def render(self, stats: SchedulerStats | None, workers_alive: int, gateway_waiting: int) -> bytes:
+        self.scheduler.stats = stats
+        self.workers_alive.set(workers_alive)
+        self.waiting.set(gateway_waiting)
+        return generate_latest(self.registry)

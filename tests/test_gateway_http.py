@@ -1,0 +1,550 @@
+"""The gateway over HTTP, in-process, against a real Redis. A small driver plays the scheduler's side of
+the bus contract (read `requests`, write `out:{rid}`), so every gateway path runs without the services:
+validation (nothing reaches the bus), auth, size limit, backpressure, health, metrics, completions and
+chat (whole and streamed), stop strings and aborts, failures, disconnects, and a JSON-body fuzz."""
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import aiohttp
+import pytest
+import redis
+import redis.asyncio as aioredis
+from aiohttp.test_utils import TestServer
+from multidict import CIMultiDict
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.app import create_app
+from gateway.model import ServedModel
+from shared.keys import FIELD, Keys
+from shared.protocol import Abort, Request, SchedulerStats, TokenOutput, WorkerRegistration, WorkerStats, decode, encode
+from shared.settings import Settings
+
+KEYS = Keys()
+Script = Callable[[Request], list[TokenOutput]]
+
+
+class Driver:
+    """The scheduler's side of the bus for tests: each request gets the entries `script` returns."""
+
+    def __init__(self, url: str, script: Script) -> None:
+        self.url = url
+        self.script = script
+        self.requests: list[Request] = []
+
+    async def run(self) -> None:
+        client = aioredis.Redis.from_url(self.url, socket_timeout=10)
+        cursor = "0-0"
+        try:
+            while True:
+                for _, entries in await client.xread({KEYS.requests: cursor}, block=1000) or ():
+                    for entry_id, fields in entries:
+                        cursor = entry_id
+                        req = decode(fields[FIELD.encode()], Request)
+                        self.requests.append(req)
+                        for out in self.script(req):
+                            await client.xadd(KEYS.out(req.rid), {FIELD: encode(out)})
+        finally:
+            await client.aclose()
+
+
+@dataclass(slots=True)
+class Reply:
+    status: int
+    headers: CIMultiDict
+    text: str
+
+    def json(self) -> Any:
+        return json.loads(self.text)
+
+
+class LiveGateway:
+    """The gateway app on a background event loop, reachable over real HTTP (an aiohttp client on the loop)."""
+
+    def __init__(self, settings: Settings, model: ServedModel, script: Script | None = None) -> None:
+        self.settings = settings
+        self.model = model
+        self.driver = Driver(settings.redis_url, script) if script else None
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def __enter__(self) -> "LiveGateway":
+        self.thread.start()
+        self.run(self._start())
+        return self
+
+    def run(self, coro) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(120)
+
+    async def _start(self) -> None:
+        self.server = TestServer(await create_app(self.settings, self.model))  # cancels handlers on disconnect
+        await self.server.start_server()
+        self.url = str(self.server.make_url("")).rstrip("/")
+        self.session = aiohttp.ClientSession()
+        self.driver_task = asyncio.create_task(self.driver.run()) if self.driver else None
+
+    async def _stop(self) -> None:
+        await self.session.close()
+        if self.driver_task:
+            self.driver_task.cancel()
+        await self.server.close()
+
+    def __exit__(self, *exc) -> None:
+        self.run(self._stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+
+    async def request(self, method: str, path: str, json_body: Any = None, content: bytes | None = None,
+                      headers: dict[str, str] | None = None, timeout: float = 30) -> Reply:
+        data = content if content is not None else None if json_body is None else json.dumps(json_body).encode()
+        async with self.session.request(method, self.url + path, data=data, headers=headers,
+                                        timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            return Reply(resp.status, CIMultiDict(resp.headers), await resp.text())
+
+    def post(self, path: str, json: Any = None, content: bytes | None = None,
+             headers: dict[str, str] | None = None) -> Reply:
+        return self.run(self.request("POST", path, json, content, headers))
+
+    def get(self, path: str, headers: dict[str, str] | None = None) -> Reply:
+        return self.run(self.request("GET", path, headers=headers))
+
+
+def wait_until(predicate: Callable[[], object], what: str, timeout: float = 30.0) -> object:
+    deadline = time.monotonic() + timeout
+    while not (result := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.05)
+    return result
+
+
+def tokens(model: ServedModel, text: str) -> list[int]:
+    return model.tokenizer.hf(text, add_special_tokens=False)["input_ids"]
+
+
+def answer(model: ServedModel, texts: list[str], finish: str | None = "length", error: str | None = None) -> Script:
+    """Sample i streams the tokens of texts[i % len(texts)]; `finish` None leaves it running on the bus."""
+    def script(req: Request) -> list[TokenOutput]:
+        outs = []
+        for s in range(req.params.n if texts else 0):
+            ids = tokens(model, texts[s % len(texts)])
+            for i, t in enumerate(ids):
+                end = finish if i == len(ids) - 1 else None
+                outs.append(TokenOutput(req.rid, s, i, t, logprob=-0.25 * (i + 1),
+                                        top_logprobs=[(t, -0.25 * (i + 1)), (7, -3.0)], finish_reason=end))
+        if error is not None:
+            outs.append(TokenOutput(req.rid, -1, 0, 0, finish_reason="error", error=error))
+        return outs
+    return script
+
+
+def aborts(url: str) -> list[Abort]:
+    return [decode(f[FIELD.encode()], Abort) for _, f in redis.Redis.from_url(url).xrange(KEYS.control)]
+
+
+def sse_events(body: str) -> list[str]:
+    assert body.endswith("\n\n")
+    frames = body.split("\n\n")[:-1]
+    assert all(f.startswith("data: ") for f in frames), frames
+    return [f[len("data: "):] for f in frames]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir) -> ServedModel:
+    return ServedModel.load(Settings(model=str(tiny_model_dir)))
+
+
+@pytest.fixture
+def base(redis_url, tiny_model_dir) -> Settings:
+    return Settings(model=str(tiny_model_dir), redis_url=redis_url, max_body_bytes=64 << 10)
+
+
+def check_error(resp: Reply, status: int, param: str | None, *fragments: str) -> dict:
+    assert resp.status == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param, error
+    for fragment in fragments:
+        assert fragment in error["message"], error
+    return error
+
+
+HI = [{"role": "user", "content": "hi"}]
+INVALID = [
+    ("/v1/completions", b"{bad", 400, None, "not valid JSON"),
+    ("/v1/completions", b"[1, 2]", 400, None, "JSON object"),
+    ("/v1/completions", {"model": "gpt-9", "prompt": "hi"}, 404, "model", "gpt-9"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt", "empty"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt", "prompt"),
+    ("/v1/completions", {}, 400, "prompt", "required"),
+    ("/v1/completions", {"prompt": [1, 99999]}, 400, "prompt", "99999"),
+    ("/v1/completions", {"prompt": ["ok", 3.5]}, 400, "prompt", "token ids"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature", "number"),
+    ("/v1/completions", {"prompt": "hi", "temperature": 2.5}, 400, "temperature", "[0.0, 2.0]"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p", "(0, 1]"),
+    ("/v1/completions", {"prompt": "hi", "top_k": -2}, 400, "top_k", "top_k"),
+    ("/v1/completions", {"prompt": "hi", "min_p": 1.5}, 400, "min_p", "[0.0, 1.0]"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n", "[1, 128]"),
+    ("/v1/completions", {"prompt": "hi", "n": True}, 400, "n", "integer"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "at least 1"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2 ** 70}, 400, "max_tokens", "64-bit"),
+    ("/v1/completions", {"prompt": "hi", "seed": -1}, 400, "seed", "seed"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs", "[0, 20]"),
+    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "logprobs", "echo"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty", "[-2.0, 2.0]"),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": -3}, 400, "frequency_penalty", "[-2.0, 2.0]"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty", "(0, 2]"),
+    ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop", "non-empty"),
+    ("/v1/completions", {"prompt": "hi", "stop": 5}, 400, "stop", "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [1, "x"]}, 400, "stop_token_ids", "integers"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream", "boolean"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options",
+     "stream"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1}}, 400, "logit_bias", "not supported"),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": 40, "max_tokens": 4}, 400, "min_tokens", "min_tokens"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", "non-empty"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "array"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages", "wizard"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages", "text only"),
+    ("/v1/chat/completions", {"messages": HI, "max_completion_tokens": -3}, 400, "max_completion_tokens",
+     "max_completion_tokens must be at least 1"),
+    ("/v1/chat/completions", {"messages": HI, "logprobs": True, "top_logprobs": 30}, 400, "top_logprobs",
+     "top_logprobs must be in [0, 20]"),
+    ("/v1/chat/completions", {"messages": HI, "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
+    ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
+    ("/v1/chat/completions", {"messages": HI, "model": 7}, 400, "model", "string"),
+]
+
+
+def test_invalid_requests_get_openai_errors_and_never_reach_the_bus(base, model, redis_url):
+    with LiveGateway(base, model) as gw:
+        for path, body, status, param, fragment in INVALID:
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            check_error(gw.post(path, content=content), status, param, fragment)
+        limit = model.max_model_len
+        prompt = "The blocks " * 5
+        p = len(model.tokenizer.encode(prompt))
+        check_error(gw.post("/v1/completions", json={"prompt": prompt, "max_tokens": limit}), 400,
+                    "max_tokens", f"maximum context length is {limit} tokens", f"{p + limit} tokens",
+                    f"({p} in the prompt, {limit} in the completion)")
+        chat = model.tokenizer.render_chat(HI, True)
+        check_error(gw.post("/v1/chat/completions", json={"messages": HI, "max_completion_tokens": limit}),
+                    400, "max_completion_tokens", f"{limit} tokens", f"({len(chat)} in the messages, {limit} in")
+        long = "The blocks " * (limit // 2)
+        check_error(gw.post("/v1/completions", json={"prompt": long}), 400, "prompt",
+                    f"{len(model.tokenizer.encode(long))} tokens long", f"{limit} tokens")
+        check_error(gw.post("/v1/completions", json={"prompt": "x" * (65 << 10)}), 413, None,
+                    f"limit of {64 << 10} bytes")
+        check_error(gw.get("/v1/nothing"), 404, None, "Not Found")
+        check_error(gw.get("/v1/completions"), 405, None, "Method Not Allowed")
+    assert redis.Redis.from_url(redis_url).xlen(KEYS.requests) == 0
+
+
+def test_a_model_without_chat_template_gets_a_clear_400(base, tiny_model_dir, tmp_path):
+    bare = tmp_path / "no-template"
+    shutil.copytree(tiny_model_dir, bare)
+    (bare / "chat_template.jinja").unlink()
+    no_template = ServedModel.load(base.replace(model=str(bare)))
+    with LiveGateway(base.replace(model=str(bare)), no_template) as gw:
+        check_error(gw.post("/v1/chat/completions", json={"messages": HI}), 400, "messages",
+                    "no chat template")
+        # The plain completions route still works without a template (validated up to the bus).
+        check_error(gw.post("/v1/completions", json={"prompt": "hi", "n": 0}), 400, "n")
+
+
+def test_api_key_guards_the_v1_routes_only(base, model):
+    with LiveGateway(base.replace(api_key="sekret"), model) as gw:
+        check_error(gw.get("/v1/models"), 401, None, "API key")
+        check_error(gw.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401, None)
+        check_error(gw.post("/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "sekret"}),
+                    401, None)
+        ok = gw.get("/v1/models", headers={"Authorization": "Bearer sekret"})
+        assert ok.status == 200 and ok.json()["data"][0]["id"] == model.name
+        assert ok.json()["data"][0]["max_model_len"] == model.max_model_len
+        assert gw.get("/health").status == 503  # health and metrics need no key
+        assert gw.get("/metrics").status == 200
+
+
+def test_health_follows_worker_registrations_and_heartbeats(base, model, redis_url):
+    r = redis.Redis.from_url(redis_url)
+    with LiveGateway(base, model) as gw:
+        resp = gw.get("/health")
+        assert resp.status == 503 and "no worker has registered" in resp.json()["reason"]
+        reg = WorkerRegistration("w0", model.name, 64, 0, 16, model.max_model_len, [2])
+        r.hset(KEYS.workers, "w0", encode(reg))
+        resp = gw.get("/health")
+        assert resp.status == 503 and "1 registered" in resp.json()["reason"]
+        r.set(KEYS.heartbeat("w0"), 1, px=60_000)
+        resp = gw.get("/health")
+        assert resp.status == 200 and resp.json()["workers"] == ["w0"]
+        r.delete(KEYS.heartbeat("w0"))
+        assert gw.get("/health").status == 503
+
+
+def metric_values(text: str) -> dict[tuple[str, tuple], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_export_gateway_counters_and_the_scheduler_snapshot(base, model, redis_url):
+    text = "Hello 東京 🚀"
+    with LiveGateway(base, model, answer(model, [text])) as gw:
+        before = metric_values(gw.get("/metrics").text)
+        assert ("pagedserve_num_requests_running", ()) not in before, "no scheduler snapshot yet"
+        assert before[("pagedserve_workers_alive", ())] == 0
+        stats = SchedulerStats(time.time(), running=3, waiting=1, preempted=2, preemptions=5,
+                               workers=[WorkerStats("w0", 100, 75, 3, 40, 32)])
+        redis.Redis.from_url(redis_url).set(KEYS.stats, encode(stats))
+        resp = gw.post("/v1/completions", json={"prompt": "Say", "max_tokens": 50})
+        assert resp.status == 200
+        scrape = gw.get("/metrics")
+        assert scrape.headers["content-type"].startswith("text/plain; version=0.0.4")
+        values = metric_values(scrape.text)
+    w0 = (("worker", "w0"),)
+    assert values[("pagedserve_num_requests_running", ())] == 3
+    assert values[("pagedserve_num_requests_waiting", ())] == 1
+    assert values[("pagedserve_num_requests_preempted", ())] == 2
+    assert values[("pagedserve_num_preemptions_total", ())] == 5
+    assert values[("pagedserve_kv_cache_usage_perc", w0)] == 0.25
+    assert values[("pagedserve_prefix_cache_queries_total", w0)] == 40
+    assert values[("pagedserve_prefix_cache_hits_total", w0)] == 32
+    assert values[("pagedserve_prompt_tokens_total", ())] == len(model.tokenizer.encode("Say"))
+    assert values[("pagedserve_generation_tokens_total", ())] == len(tokens(model, text))
+    assert values[("pagedserve_request_finished_total", (("finish_reason", "length"),))] == 1
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "time_per_output_token_seconds"):
+        assert values[(f"pagedserve_{name}_count", ())] == 1, name
+        assert values[(f"pagedserve_{name}_bucket", (("le", "+Inf"),))] == 1, name
+
+
+def test_completion_whole_and_streamed_with_usage_logprobs_and_params(base, model):
+    text = "Größe, 東京 🚀!"
+    n_tokens = len(tokens(model, text))
+    body = {"model": model.name, "prompt": "Say", "max_tokens": 40, "temperature": 0.7, "top_p": 0.9,
+            "top_k": 5, "min_p": 0.1, "seed": 11, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+            "repetition_penalty": 1.2, "stop_token_ids": [9], "ignore_eos": True, "min_tokens": 2,
+            "logprobs": 2, "user": "u1"}
+    with LiveGateway(base, model, answer(model, [text])) as gw:
+        whole = gw.post("/v1/completions", json=body).json()
+        streamed = gw.post("/v1/completions", json=body | {"stream": True,
+                                                                 "stream_options": {"include_usage": True}})
+        req = gw.driver.requests[0]
+    prompt_ids = model.tokenizer.encode("Say")
+    assert req.model == model.name and req.prompt_token_ids == prompt_ids
+    p = req.params
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (40, 0.7, 0.9, 5, 0.1, 11)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.5, 1.2)
+    assert (p.stop_token_ids, p.ignore_eos, p.min_tokens, p.logprobs, p.n) == ([9], True, 2, 2, 1)
+
+    assert whole["object"] == "text_completion" and whole["id"].startswith("cmpl-")
+    (choice,) = whole["choices"]
+    assert choice["text"] == text and choice["finish_reason"] == "length" and choice["index"] == 0
+    assert whole["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": n_tokens,
+                              "total_tokens": len(prompt_ids) + n_tokens}
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n_tokens
+    assert lp["token_logprobs"] == [-0.25 * (i + 1) for i in range(n_tokens)]
+    assert all(top[tok] == val for tok, val, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]))
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    assert model.tokenizer.decode(tokens(model, text)) == "".join(lp["tokens"]) or "\ufffd" in "".join(lp["tokens"])
+
+    assert streamed.status == 200 and streamed.headers["content-type"] == "text/event-stream"
+    events = sse_events(streamed.text)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert "".join(ch["text"] for c in chunks for ch in c["choices"]) == text
+    assert [ch["finish_reason"] for c in chunks for ch in c["choices"]][-1] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    assert sum(len(ch["logprobs"]["tokens"]) for c in chunks for ch in c["choices"]) == n_tokens
+
+
+def test_several_prompts_with_n_and_echo_give_one_choice_per_prompt_and_sample(base, model, redis_url):
+    texts = ["first answer", "second 🚀 answer"]
+    prompts = ["Alpha", [5, 6, 7]]
+    with LiveGateway(base, model, answer(model, texts)) as gw:
+        resp = gw.post("/v1/completions", json={"prompt": prompts, "n": 2, "echo": True, "max_tokens": 30,
+                                                     "temperature": 1.0, "seed": 3}).json()
+        streamed = gw.post("/v1/completions", json={"prompt": prompts, "n": 2, "max_tokens": 30,
+                                                         "stream": True})
+        rids = [r.rid for r in gw.driver.requests]
+    echoed = ["Alpha", model.tokenizer.decode([5, 6, 7], skip_special_tokens=False)]
+    assert [c["index"] for c in resp["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in resp["choices"]] == [echoed[i // 2] + texts[i % 2] for i in range(4)]
+    generated = 2 * sum(len(tokens(model, t)) for t in texts)
+    prompt_tokens = len(model.tokenizer.encode("Alpha")) + 3
+    assert resp["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
+                             "total_tokens": prompt_tokens + generated}
+    assert rids[:2] == [f"{resp['id']}-0", f"{resp['id']}-1"]
+    by_index = ["", "", "", ""]
+    for event in sse_events(streamed.text)[:-1]:
+        for ch in json.loads(event)["choices"]:
+            by_index[ch["index"]] += ch["text"]
+    assert by_index == [texts[i % 2] for i in range(4)]
+    assert aborts(redis_url) == [], "every sample ended on the bus: nothing to abort"
+
+
+def test_chat_whole_and_streamed_with_role_first_and_logprobs(base, model):
+    text = "Paris, 東京 🚀"
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Capital"}, {"type": "text", "text": "?"}]}]
+    body = {"model": model.name, "messages": messages, "logprobs": True, "top_logprobs": 2, "n": 2, "seed": 1}
+    with LiveGateway(base, model, answer(model, [text])) as gw:
+        whole = gw.post("/v1/chat/completions", json=body).json()
+        streamed = gw.post("/v1/chat/completions", json=body | {"stream": True})
+        req = gw.driver.requests[0]
+    rendered = model.tokenizer.render_chat([{"role": "system", "content": "Be brief."},
+                                            {"role": "user", "content": "Capital?"}], True)
+    assert req.prompt_token_ids == rendered
+    assert req.params.max_tokens == model.max_model_len - len(rendered), "chat defaults to the room left"
+    assert req.params.logprobs == 2
+    assert whole["object"] == "chat.completion" and whole["id"].startswith("chatcmpl-")
+    assert [c["message"] for c in whole["choices"]] == [{"role": "assistant", "content": text}] * 2
+    content = whole["choices"][0]["logprobs"]["content"]
+    assert len(content) == len(tokens(model, text)) and len(content[0]["top_logprobs"]) == 2
+    assert content[0]["bytes"] == list(content[0]["token"].encode())
+    chunks = [json.loads(e) for e in sse_events(streamed.text)[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    per_choice: dict[int, list[dict]] = {0: [], 1: []}
+    for c in chunks:
+        for ch in c["choices"]:
+            per_choice[ch["index"]].append(ch)
+    for deltas in per_choice.values():
+        assert deltas[0]["delta"] == {"role": "assistant", "content": ""}
+        assert "".join(d["delta"].get("content", "") for d in deltas) == text
+        assert deltas[-1]["finish_reason"] == "length"
+
+
+def test_stop_string_cuts_the_text_and_aborts_the_request(base, model, redis_url):
+    with LiveGateway(base, model, answer(model, ["one two STOP three four"], finish=None)) as gw:
+        whole = gw.post("/v1/completions", json={"prompt": "Go", "stop": ["STOP", "zzz"]}).json()
+        streamed = gw.post("/v1/completions", json={"prompt": "Go", "stop": "STOP", "stream": True})
+        rids = [r.rid for r in gw.driver.requests]
+    assert whole["choices"][0]["text"] == "one two "
+    assert whole["choices"][0]["finish_reason"] == "stop" and whole["choices"][0]["stop_reason"] == "STOP"
+    chunks = [json.loads(e) for e in sse_events(streamed.text)[:-1]]
+    assert "".join(ch["text"] for c in chunks for ch in c["choices"]) == "one two "
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    wait_until(lambda: [a.rid for a in aborts(redis_url)] == rids, "an abort per stopped request")
+    assert all(a.reason == "stop string" for a in aborts(redis_url))
+
+
+def test_a_failed_request_is_a_400_before_any_token_and_an_sse_error_after(base, model):
+    with LiveGateway(base, model, answer(model, [], error="prompt can never fit: 5000 tokens > 4096")) as gw:
+        check_error(gw.post("/v1/completions", json={"prompt": "hi"}), 400, None, "can never fit")
+        check_error(gw.post("/v1/completions", json={"prompt": "hi", "stream": True}), 400, None, "never fit")
+    with LiveGateway(base, model, answer(model, ["partial text"], finish=None, error="worker lost")) as gw:
+        check_error(gw.post("/v1/completions", json={"prompt": "hi"}), 500, None, "worker lost")
+        events = sse_events(gw.post("/v1/completions", json={"prompt": "hi", "stream": True}).text)
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["message"].endswith("worker lost")
+    assert "".join(ch["text"] for e in events[:-2] for ch in json.loads(e)["choices"]) == "partial text"
+
+
+def test_a_client_that_disconnects_gets_its_request_aborted(base, model, redis_url):
+    async def read_one_line_and_leave(gw: LiveGateway) -> bytes:
+        resp = await gw.session.post(gw.url + "/v1/completions", json={"prompt": "hi", "stream": True})
+        first = await resp.content.readline()
+        resp.close()
+        return first
+
+    with LiveGateway(base, model, answer(model, ["endless output"], finish=None)) as gw:
+        assert gw.run(read_one_line_and_leave(gw)).startswith(b"data: ")
+        wait_until(lambda: len(aborts(redis_url)) == 1, "the streaming request's abort")
+        with pytest.raises(asyncio.TimeoutError):
+            gw.run(gw.request("POST", "/v1/completions", {"prompt": "hi"}, timeout=1.0))
+        wait_until(lambda: len(aborts(redis_url)) == 2, "the waiting request's abort")
+        rids = [r.rid for r in gw.driver.requests]
+    assert [a.rid for a in aborts(redis_url)] == rids
+
+
+def test_backpressure_answers_429_with_retry_after(base, model, redis_url):
+    r = redis.Redis.from_url(redis_url)
+    with LiveGateway(base.replace(max_waiting_requests=2), model) as gw:  # no driver: requests stay waiting
+        hanging = [asyncio.run_coroutine_threadsafe(gw.request("POST", "/v1/completions", {"prompt": "hi"},
+                                                               timeout=5), gw.loop) for _ in range(2)]
+        wait_until(lambda: r.xlen(KEYS.requests) == 2, "two waiting requests")
+        resp = gw.post("/v1/completions", json={"prompt": "hi"})
+        error = check_error(resp, 429, None, "2 requests are waiting", "limit is 2")
+        assert resp.headers["Retry-After"] == "1" and error["type"] == "rate_limit_error"
+        for future in hanging:
+            with pytest.raises(asyncio.TimeoutError):
+                future.result(30)
+        wait_until(lambda: len(aborts(redis_url)) == 2, "aborts of the two abandoned requests")
+    assert r.xlen(KEYS.requests) == 2
+
+
+def test_a_waiting_request_survives_a_redis_restart(own_redis, tiny_model_dir, model):
+    text = "after the restart 🚀"
+    with LiveGateway(Settings(model=str(tiny_model_dir), redis_url=own_redis.url), model) as gw:
+        pending = asyncio.run_coroutine_threadsafe(gw.request("POST", "/v1/completions", {"prompt": "hi"}, timeout=60),
+                                                   gw.loop)
+        wait_until(lambda: redis.Redis.from_url(own_redis.url).xlen(KEYS.requests) == 1, "the request on the bus")
+        ((_, fields),) = redis.Redis.from_url(own_redis.url).xrange(KEYS.requests)
+        own_redis.restart()  # the gateway's blocking read loses its connection and must come back
+        r = redis.Redis.from_url(own_redis.url)
+        for out in answer(model, [text])(decode(fields[FIELD.encode()], Request)):
+            r.xadd(KEYS.out(out.rid), {FIELD: encode(out)})
+        reply = pending.result(60)
+    assert reply.status == 200, reply.text
+    assert reply.json()["choices"][0]["text"] == text
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+                    max_leaves=12)
+# Mostly well-typed values around the valid ranges' edges, sometimes any JSON at all.
+TYPED = {
+    "model": st.sampled_from(["tiny", "other"]), "max_tokens": st.integers(-1, 40),
+    "max_completion_tokens": st.integers(-1, 40), "temperature": st.floats(-0.5, 2.5), "top_p": st.floats(0, 1.2),
+    "top_k": st.integers(-2, 40), "min_p": st.floats(-0.1, 1.1), "seed": st.integers(-1, 2**64),
+    "n": st.integers(0, 3), "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=2),
+    "stop_token_ids": st.lists(st.integers(-1, 600), max_size=2), "presence_penalty": st.floats(-2.5, 2.5),
+    "frequency_penalty": st.floats(-2.5, 2.5), "repetition_penalty": st.floats(0, 2.5),
+    "logprobs": st.integers(-1, 22) | st.booleans(), "top_logprobs": st.integers(-1, 22), "echo": st.booleans(),
+    "ignore_eos": st.booleans(), "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}), "user": st.text(max_size=5),
+    "min_tokens": st.integers(-1, 5), "best_of": st.integers(0, 3), "skip_special_tokens": st.booleans(),
+    "logit_bias": st.dictionaries(st.text(max_size=3), st.integers(-5, 5), max_size=1),
+}
+OPTIONAL = {name: st.one_of(values, values, JSON) for name, values in TYPED.items()}
+VALID = {"max_tokens": st.integers(1, 8), "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1),
+         "top_k": st.integers(-1, 20), "seed": st.integers(0, 2**63 - 1), "n": st.integers(1, 3),
+         "stop": st.lists(st.text(min_size=1, max_size=3), max_size=2), "logprobs": st.integers(0, 5),
+         "stream": st.booleans(), "ignore_eos": st.booleans(), "presence_penalty": st.floats(-2, 2)}
+MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "x"]),
+                                           "content": st.text(max_size=12) | JSON}), max_size=3)
+BODIES = st.one_of(
+    JSON,
+    st.dictionaries(st.sampled_from([*TYPED, "prompt", "messages"]), JSON, max_size=6),
+    st.fixed_dictionaries({"prompt": st.text(max_size=20) | st.lists(st.integers(-1, 600), max_size=5)},
+                          optional=OPTIONAL),
+    st.fixed_dictionaries({"prompt": st.text(min_size=1, max_size=20)}, optional=TYPED),
+    st.fixed_dictionaries({"prompt": st.text(min_size=1, max_size=20)}, optional=VALID),
+    st.fixed_dictionaries({"messages": st.just(HI)}, optional=VALID | {"logprobs": st.booleans()}),
+    st.fixed_dictionaries({"messages": MESSAGES}, optional=OPTIONAL),
+)
+
+
+def test_fuzzed_json_bodies_never_get_a_5xx(base, model):
+    with LiveGateway(base, model, answer(model, ["ok 🚀"])) as gw:
+        @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), body=BODIES)
+        def check(path, body):
+            resp = gw.post(path, content=json.dumps(body).encode())
+            assert resp.status < 500, (body, resp.text)
+            if resp.status >= 400:
+                assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+
+        check()
+        after = gw.post("/v1/completions", json={"prompt": "hi"})
+        assert after.status == 200 and after.json()["choices"][0]["text"] == "ok 🚀"

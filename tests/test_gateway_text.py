@@ -1,0 +1,127 @@
+"""The gateway's text path without HTTP: incremental detokenization (oracle: the tokenizer's own decode),
+stop strings (oracle: a direct search of the whole text), the per-request tracker, SSE framing."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gateway import sse
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.generation import RequestTracker
+from gateway.model import Tokenizer
+from gateway.stop import StopStrings
+from shared.protocol import TokenOutput
+
+MULTIBYTE = ["Größe, café, naïve — 東京 🚀 and 🚀🚀 again", "東京東京東京", "🚀", "a 🚀 b 東 c é"]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir) -> Tokenizer:
+    return Tokenizer.load(tiny_model_dir)
+
+
+def stream(tok: Tokenizer, prompt_ids: list[int], ids: list[int]) -> list[str]:
+    detok = IncrementalDetokenizer.after_prompt(tok.decode, prompt_ids)
+    return [detok.add(t) for t in ids] + [detok.flush()]
+
+
+@pytest.mark.parametrize("text", MULTIBYTE)
+def test_deltas_join_to_decode_and_never_split_a_character(tok, text):
+    ids = tok.hf(text, add_special_tokens=False)["input_ids"]
+    assert any("\ufffd" in tok.decode([t]) for t in ids), "the text must split a character over tokens"
+    deltas = stream(tok, tok.encode("Say:"), ids)
+    assert "".join(deltas) == tok.decode(ids) == text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.integers(5, 511), max_size=40), st.sampled_from(["", "Hi", "東京"]))
+def test_any_token_sequence_detokenizes_like_decode(tok, ids, prompt):
+    prompt_ids = tok.encode(prompt) if prompt else []
+    assert "".join(stream(tok, prompt_ids, ids)) == tok.decode(ids)
+
+
+def test_special_tokens_are_skipped_in_text(tok):
+    ids = tok.hf("hello<|im_end|> world", add_special_tokens=False)["input_ids"]
+    assert "".join(stream(tok, [], ids)) == tok.decode(ids) == "hello world"
+
+
+def first_stop(text: str, chunks: list[str], stops: list[str]) -> tuple[str, str | None]:
+    """Oracle: after each chunk, search the whole text so far; cut at the earliest match."""
+    seen = ""
+    for chunk in chunks:
+        seen += chunk
+        hits = [(seen.find(s), s) for s in stops if s in seen]
+        if hits:
+            i, s = min(hits)
+            return seen[:i], s
+    return seen, None
+
+
+@given(st.lists(st.text("ab東🚀", max_size=6), max_size=12), st.lists(st.text("ab東🚀", min_size=1, max_size=4),
+                                                                   max_size=3))
+def test_stop_strings_match_a_whole_text_search(chunks, stops):
+    checker = StopStrings(stops)
+    sent, matched = "", None
+    for chunk in chunks:
+        out, matched = checker.feed(chunk)
+        expected_prefix = first_stop("".join(chunks), chunks, stops)[0]
+        sent += out
+        assert expected_prefix.startswith(sent), "released text must never be taken back"
+        if matched:
+            break
+    if matched is None:
+        sent += checker.flush()
+    assert (sent, matched) == first_stop("".join(chunks), chunks, stops)
+
+
+def test_stop_string_split_over_deltas_is_held_back_then_dropped():
+    checker = StopStrings(["STOP"])
+    assert checker.feed("abc ST") == ("abc ", None)
+    assert checker.feed("O") == ("", None)
+    assert checker.feed("Pxyz") == ("", "STOP")
+
+
+def outputs(rid: str, sample: int, ids: list[int], finish: str = "length") -> list[TokenOutput]:
+    return [TokenOutput(rid, sample, i, t, logprob=-0.5, top_logprobs=[(t, -0.5)],
+                        finish_reason=finish if i == len(ids) - 1 else None) for i, t in enumerate(ids)]
+
+
+def test_tracker_dedupes_interleaves_samples_and_applies_stop_strings(tok):
+    a = tok.hf("one two three", add_special_tokens=False)["input_ids"]
+    b = tok.hf("東京 🚀 END rest", add_special_tokens=False)["input_ids"]
+    tracker = RequestTracker("r", 2, tok.encode("Q"), tok.decode, ["END"])
+    # Sample 1 is still running on the bus when its text hits the stop string.
+    stream_a, stream_b = outputs("r", 0, a), outputs("r", 1, b)[:-1]
+    entries = [e for i in range(max(len(a), len(b))) for e in (stream_a[i:i + 1] + stream_b[i:i + 1])]
+    texts = ["", ""]
+    for entry in entries + entries:  # every entry twice, as a resumed request may repeat them
+        delta = tracker.apply(entry)
+        if delta is not None:
+            texts[delta.sample_index] += delta.text
+    assert texts == ["one two three", "東京 🚀 "]
+    assert [s.finish_reason for s in tracker.samples] == ["length", "stop"]
+    assert tracker.samples[1].stop_reason == "END"
+    assert len(tracker.samples[0].token_ids) == len(a)
+    assert tracker.finished and tracker.needs_abort, "sample 1 ended on a stop string, not on the bus"
+
+
+def test_tracker_leaves_out_the_text_of_a_stop_token_and_ends_on_a_request_error(tok):
+    ids = tok.hf("hi there</s>", add_special_tokens=False)["input_ids"]
+    tracker = RequestTracker("r", 1, [], tok.decode, [])
+    text = "".join(d.text for e in outputs("r", 0, ids, finish="stop") if (d := tracker.apply(e)))
+    assert text == "hi there" and not tracker.needs_abort
+    failing = RequestTracker("q", 1, [], tok.decode, [])
+    assert failing.apply(TokenOutput("q", -1, 0, 0, finish_reason="error", error="too long")) is None
+    assert failing.finished and failing.error == "too long" and not failing.needs_abort
+    assert failing.apply(TokenOutput("other", 0, 0, 5)) is None
+
+
+def test_sse_event_is_one_data_line_of_json():
+    frame = sse.event({"text": "東京\n🚀", "n": 1})
+    assert frame.endswith(b"\n\n") and frame.count(b"\n") == 2 and frame.startswith(b"data: ")
+    assert json.loads(frame[len(b"data: "):]) == {"text": "東京\n🚀", "n": 1}
+    assert sse.DONE == b"data: [DONE]\n\n"

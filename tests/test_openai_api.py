@@ -1,0 +1,394 @@
+"""End to end: `pagedserve up` (tiny model, 2 workers, its own Redis) driven with the official `openai`
+client. Greedy output is checked against transformers' generate on the same weights in float32."""
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+from redis_harness import free_port
+from test_gateway_http import BODIES
+
+from shared.keys import Keys
+
+pytestmark = [pytest.mark.slow, pytest.mark.redis]
+UP = [sys.executable, "-m", "pagedserve", "up"]
+KEY = "test-key"
+BODY_LIMIT = 64 << 10
+MAX_WAITING = 2
+START_TIMEOUT_S = 600
+
+
+def run_up(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*UP, *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def test_up_without_redis_server_says_how_to_get_one(tiny_model_dir):
+    bare_path = str(Path(sys.executable).parent)  # python, but no redis-server
+    out = run_up("--model", str(tiny_model_dir), env={"PATH": bare_path})
+    assert out.returncode == 1 and out.stdout == ""
+    assert "redis-server was not found" in out.stderr and "--redis-url" in out.stderr
+    assert "apt-get install redis-server" in out.stderr
+
+
+def test_up_writes_the_tiny_model_on_first_use(tmp_path):
+    dead_redis = f"redis://127.0.0.1:{free_port()}/0"
+    out = run_up("--redis-url", dead_redis, env={"XDG_CACHE_HOME": str(tmp_path)})
+    assert out.returncode == 1 and f"no Redis answers at {dead_redis}" in out.stderr
+    assert (tmp_path / "pagedserve" / "pagedserve-tiny-llama" / "config.json").is_file()
+    assert "writing the built-in tiny model" in out.stderr
+
+
+def test_up_names_the_child_that_died_and_exits_non_zero(tiny_model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        out = run_up("--model", str(tiny_model_dir), "--port", str(taken.getsockname()[1]), "--workers", "1")
+    assert out.returncode == 1 and out.stdout == ""
+    assert "gateway exited unexpectedly" in out.stderr
+
+
+@dataclass(slots=True)
+class Stack:
+    proc: subprocess.Popen
+    url: str
+    redis_url: str
+    log: Path
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=120, **kw)
+
+    def pids(self, prefix: str) -> dict[str, int]:
+        found = re.findall(r"started (\S+) \(pid (\d+)\)", self.log.read_text(errors="replace"))
+        return {name: int(pid) for name, pid in found if name.startswith(prefix)}
+
+    def raw(self, method: str, path: str, body: bytes | None = None, key: str | None = KEY) -> tuple[int, dict, str]:
+        req = urllib.request.Request(self.url + path, data=body, method=method,
+                                     headers={"Content-Type": "application/json"}
+                                     | ({"Authorization": f"Bearer {key}"} if key else {}))
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                return resp.status, dict(resp.headers), resp.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, dict(e.headers), e.read().decode()
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        text = self.raw("GET", "/metrics")[2]
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir, tmp_path_factory):
+    port, redis_port = free_port(), free_port()
+    log = tmp_path_factory.mktemp("stack") / "up.log"
+    cmd = [*UP, "--workers", "2", "--model", str(tiny_model_dir),
+           "--port", str(port), "--redis-port", str(redis_port), "--dtype", "float32", "--api-key", KEY,
+           "--max-body-bytes", str(BODY_LIMIT), "--max-waiting-requests", str(MAX_WAITING),
+           "--heartbeat-ttl", "2", "--kv-cache-bytes", str(16 << 20), "--swap-space-bytes", str(16 << 20)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("PAGEDSERVE_REDIS_URL", None)
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=env, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    stack = Stack(proc, f"http://127.0.0.1:{port}", f"redis://127.0.0.1:{redis_port}/0", log)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    try:
+        while True:
+            try:
+                first = lines.get(timeout=1)
+                break
+            except queue.Empty:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"`pagedserve up` did not get ready (exit {proc.poll()}):\n"
+                                f"{log.read_text(errors='replace')[-4000:]}")
+        assert first == f"ready: http://127.0.0.1:{port}\n", first
+        yield stack
+        assert lines.empty(), "`pagedserve up` prints exactly one line on stdout"
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(120)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True, dtype=torch.float32)
+    return tok, model.eval()
+
+
+def greedy(hf, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy continuation (stopping at the model's EOS ids, as the server does)."""
+    import torch
+
+    tok, model = hf
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tok.pad_token_id)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def logprobs_of(hf, prompt_ids: list[int], output_ids: list[int]) -> list[float]:
+    import torch
+
+    _, model = hf
+    ids = torch.tensor([prompt_ids + output_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(output_ids)[:, None])[:, 0].tolist()
+
+
+PROMPT = "The blocks of a sequence"
+
+
+def test_greedy_completion_equals_transformers_and_counts_usage(stack, hf):
+    tok = hf[0]
+    prompt_ids = tok(PROMPT).input_ids
+    expected = greedy(hf, prompt_ids, 16)
+    resp = stack.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0)
+    choice = resp.choices[0]
+    assert choice.text == tok.decode(expected, skip_special_tokens=True)
+    assert choice.finish_reason == ("length" if len(expected) == 16 else "stop")
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (len(prompt_ids), len(expected))
+    assert resp.usage.total_tokens == len(prompt_ids) + len(expected)
+    by_ids = stack.client().completions.create(model="tiny", prompt=prompt_ids, max_tokens=16, temperature=0)
+    assert by_ids.choices[0].text == choice.text
+
+
+def test_streamed_text_equals_the_whole_response(stack):
+    client = stack.client()
+    whole = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0)
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.text for ch in chunks for c in ch.choices) == whole.choices[0].text
+    assert [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason] == \
+        [whole.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_chat_greedy_equals_transformers_streamed_and_not(stack, hf):
+    tok = hf[0]
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello, 東京 🚀?"}]
+    prompt_ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False).input_ids
+    expected = tok.decode(greedy(hf, prompt_ids, 12), skip_special_tokens=True)
+    client = stack.client()
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=12,
+                                           temperature=0)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == expected
+    assert whole.usage.prompt_tokens == len(prompt_ids)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.delta.content or "" for ch in chunks for c in ch.choices) == expected
+
+
+def test_n_samples_and_seeded_sampling_is_reproducible(stack):
+    client = stack.client()
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=10, temperature=1.0, top_p=0.95, seed=1234)
+    first = client.completions.create(n=2, **kw)
+    again = client.completions.create(n=2, **kw)
+    assert sorted(c.index for c in first.choices) == [0, 1]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert first.usage.completion_tokens == again.usage.completion_tokens
+    streamed = ["", ""]
+    for chunk in client.completions.create(n=2, stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == [c.text for c in first.choices]
+
+
+def test_stop_string_ends_the_text_before_it(stack, hf):
+    tok = hf[0]
+    full = tok.decode(greedy(hf, tok(PROMPT).input_ids, 24), skip_special_tokens=True)
+    candidates = [full[i:i + 2] for i in range(len(full) // 3, len(full) - 2)
+                  if full[i:i + 2].isprintable() and "\ufffd" not in full[i:i + 2]]
+    assert candidates, f"the greedy text {full!r} has no printable pair to stop on"
+    stop = candidates[0]
+    client = stack.client()
+    resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop])
+    assert resp.choices[0].text == full[:full.find(stop)]
+    assert resp.choices[0].finish_reason == "stop"
+    streamed = "".join(c.text for ch in client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24,
+                                                                   temperature=0, stop=stop, stream=True)
+                       for c in ch.choices)
+    assert streamed == full[:full.find(stop)]
+
+
+def test_echo_prepends_the_prompt(stack):
+    client = stack.client()
+    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+    echoed = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPT + plain.choices[0].text
+
+
+def test_logprobs_match_transformers(stack, hf):
+    tok = hf[0]
+    prompt_ids = tok(PROMPT).input_ids
+    expected = greedy(hf, prompt_ids, 8)
+    resp = stack.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3)
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == resp.usage.completion_tokens
+    assert lp.tokens == [tok.decode([t]) for t in expected]
+    assert lp.token_logprobs == pytest.approx(logprobs_of(hf, prompt_ids, expected), abs=2e-3)
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        # Top entries are keyed by text, so tokens that decode alike (e.g. partial UTF-8) share one key.
+        assert 1 <= len(top) <= 4 and chosen == pytest.approx(max(top.values()), abs=1e-6), "greedy: the argmax"
+    chat = stack.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.logprob <= 0 for c in content)
+
+
+def error_of(e: openai.APIStatusError) -> dict:
+    error = e.response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+def test_validation_errors_auth_and_body_limit(stack, hf):
+    client = stack.client()
+    cases = [(dict(temperature=5), "temperature", "[0.0, 2.0]"), (dict(top_p=0), "top_p", "(0, 1]"),
+             (dict(n=0), "n", "n must be"), (dict(max_tokens=0), "max_tokens", "at least 1"),
+             (dict(logprobs=50), "logprobs", "[0, 20]"), (dict(presence_penalty=9), "presence_penalty", "[-2.0, 2.0]"),
+             (dict(prompt=""), "prompt", "empty"), (dict(stop=[""]), "stop", "non-empty")]
+    for extra, param, fragment in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**({"model": "tiny", "prompt": "hi"} | extra))
+        error = error_of(e.value)
+        assert e.value.status_code == 400 and error["param"] == param and fragment in error["message"]
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="nope", prompt="hi")
+    assert error_of(e.value)["param"] == "model"
+    n_prompt = len(hf[0](PROMPT).input_ids)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2048)
+    message = error_of(e.value)["message"]
+    assert "2048 tokens" in message and f"{n_prompt + 2048} tokens" in message
+    assert f"({n_prompt} in the prompt, 2048 in the completion)" in message
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=stack.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    status, _, body = stack.raw("POST", "/v1/completions", b"{not json")
+    assert status == 400 and "not valid JSON" in json.loads(body)["error"]["message"]
+    status, _, body = stack.raw("POST", "/v1/completions", json.dumps({"prompt": "x" * BODY_LIMIT}).encode())
+    assert status == 413 and str(BODY_LIMIT) in json.loads(body)["error"]["message"]
+    status, _, _ = stack.raw("GET", "/v1/models", key=None)
+    assert status == 401
+    assert [m.id for m in client.models.list()] == ["tiny"]
+
+
+def test_a_burst_past_the_waiting_limit_gets_429_with_retry_after(stack):
+    # Long prompts, distinct from their first token (no prefix-cache hit): each takes real prefill time,
+    # so a burst cannot be served as fast as it arrives.
+    prompts = [f"{i} " + "The blocks of a sequence need not be contiguous. " * 60 for i in range(24)]
+
+    async def burst() -> list[object]:
+        client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        try:
+            return await asyncio.gather(*(client.completions.create(model="tiny", prompt=p, max_tokens=4,
+                                                                    temperature=0) for p in prompts),
+                                        return_exceptions=True)
+        finally:
+            await client.close()
+
+    results = asyncio.run(burst())
+    limited = [r for r in results if isinstance(r, openai.RateLimitError)]
+    assert limited, "24 long requests at once against a limit of 2 waiting must see 429s"
+    assert all(r.response.headers["retry-after"] == "1" for r in limited)
+    assert all(not isinstance(r, Exception) or isinstance(r, openai.RateLimitError) for r in results), results
+    assert any(not isinstance(r, Exception) for r in results)
+
+
+def wait_for(predicate, what: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while not (result := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.2)
+    return result
+
+
+def idle(stack: Stack) -> bool:
+    m = stack.metrics()
+    usage = [v for (name, _), v in m.items() if name == "pagedserve_kv_cache_usage_perc"]
+    return m.get(("pagedserve_num_requests_running", ())) == 0 and usage and all(v == 0 for v in usage)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(stack):
+    wait_for(lambda: idle(stack), "an idle stack before the test")
+    host, port = stack.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Authorization": f"Bearer {KEY}",
+                                                               "Content-Type": "application/json"})
+    resp = conn.getresponse()
+    first = json.loads(resp.readline().decode().removeprefix("data: "))
+    resp.readline()
+    wait_for(lambda: not idle(stack), "the long request to show as running, holding KV blocks")
+    conn.close()
+    wait_for(lambda: idle(stack), "running requests and KV usage back to zero")
+    out = redis.Redis.from_url(stack.redis_url).xlen(Keys().out(first["id"] + "-0"))
+    assert out < 1500, "the request was aborted, not run to its end"
+
+
+def test_fuzzed_bodies_never_get_a_5xx_and_the_stack_still_answers(stack):
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), body=BODIES)
+    def check(path, body):
+        if isinstance(body, dict):  # keep valid requests short on a CPU
+            body.setdefault("max_tokens", 4)
+            body.setdefault("max_completion_tokens", 4)
+        status, _, text = stack.raw("POST", path, json.dumps(body).encode())
+        assert status < 500, (body, text)
+
+    check()
+    resp = stack.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0)
+    assert resp.usage.completion_tokens >= 1
+
+
+def test_health_turns_503_when_the_last_worker_stops(stack):
+    status, _, body = stack.raw("GET", "/health", key=None)
+    assert status == 200 and json.loads(body)["workers"] == ["worker-0", "worker-1"]
+    workers = stack.pids("worker-")
+    assert sorted(workers) == ["worker-0", "worker-1"]
+    for pid in workers.values():
+        os.kill(pid, signal.SIGTERM)
+    wait_for(lambda: stack.raw("GET", "/health", key=None)[0] == 503, "/health to turn 503")
+    assert "worker" in json.loads(stack.raw("GET", "/health", key=None)[2])["reason"]
+    assert stack.proc.poll() is None, "workers that stop cleanly do not take the stack down"
+
+
+def test_sigterm_stops_the_whole_stack_cleanly(stack):
+    children = stack.pids("")
+    stack.proc.send_signal(signal.SIGTERM)
+    assert stack.proc.wait(120) == 0
+    for name, pid in children.items():
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower(), \
+            f"{name} (pid {pid}) outlived `pagedserve up`"
