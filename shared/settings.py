@@ -44,6 +44,9 @@ class Settings:
     max_num_batched_tokens: int = _opt(2048, "token budget of one step (prefill chunks + decode tokens)")
     preemption_mode: str = _opt("recompute", "what to do with a preempted request's KV blocks", ("recompute", "swap"))
     watermark: float = _opt(0.01, "share of blocks kept free when admitting new requests")
+    kv_reservation: str = _opt("paged", "benchmark-only baseline: 'max_model_len' reserves a whole max_model_len "
+                               "of blocks per sequence at admission (Orca-style); 'paged' allocates on demand",
+                               ("paged", "max_model_len"))
     # services and bus
     redis_url: str = _opt("redis://127.0.0.1:6379/0", "Redis server the services meet on")
     worker_id: str = _opt("", "this worker's id; empty = host name + pid")

@@ -1,0 +1,230 @@
+"""Block tables of the sequences on one worker: prefix hits, slot allocation, copy-on-write, swapping.
+
+Each full block is named by a chained hash h_i = sha256(h_{i-1} | token ids of block i | extra keys),
+over a canonical byte encoding (little-endian int64 token ids; length-prefixed UTF-8 extra keys, which
+carry the model id and leave room for adapter ids). A block is indexed only once its KV is computed
+(the scheduler commits after a step's result), so a hit never points at KV still being written.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from scheduler.block_pool import Block, BlockPool
+
+NO_PARENT = bytes(32)
+
+
+def encode_extra_keys(keys: tuple[str, ...]) -> bytes:
+    out = bytearray()
+    for key in keys:
+        raw = key.encode("utf-8")
+        out += struct.pack("<I", len(raw)) + raw
+    return bytes(out)
+
+
+def hash_block_tokens(parent: bytes, token_ids: list[int], extra: bytes) -> bytes:
+    h = hashlib.sha256(parent)
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    h.update(extra)
+    return h.digest()
+
+
+def hash_full_blocks(token_ids: list[int], block_size: int, extra: bytes, known: Sequence[bytes] = ()) -> list[bytes]:
+    """The chained hashes of every full block of `token_ids`, reusing `known` hashes of its leading blocks."""
+    hashes = list(known)
+    parent = hashes[-1] if hashes else NO_PARENT
+    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(parent, token_ids[start:start + block_size], extra)
+        hashes.append(parent)
+    return hashes
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(slots=True)
+class SeqBlocks:
+    table: list[Block]
+    hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks (may run ahead)
+    num_cached: int = 0  # leading blocks of the table that are in the prefix index
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, num_swap_blocks: int, block_size: int, extra_keys: tuple[str, ...],
+                 enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.swap_pool = BlockPool(num_swap_blocks, False, reserve_null=False) if num_swap_blocks > 0 else None
+        self.extra = encode_extra_keys(extra_keys)
+        self.enable_caching = enable_caching
+        self.seqs: dict[int, SeqBlocks] = {}  # seq id → device table
+        self.swapped: dict[int, SeqBlocks] = {}  # seq id → swap table
+
+    @property
+    def num_free(self) -> int:
+        return self.pool.num_free
+
+    def block_ids(self, seq_id: int) -> list[int]:
+        return [b.block_id for b in self.seqs[seq_id].table]
+
+    def table_len(self, seq_id: int) -> int:
+        """Blocks the sequence holds, on the device or in swap."""
+        seq = self.seqs.get(seq_id) or self.swapped[seq_id]
+        return len(seq.table)
+
+    # ---- prefix cache ---------------------------------------------------------------------
+    def hash_tokens(self, token_ids: list[int], known: Sequence[bytes] = ()) -> list[bytes]:
+        return hash_full_blocks(token_ids, self.block_size, self.extra, known) if self.enable_caching else []
+
+    def find_prefix(self, hashes: list[bytes], num_tokens: int) -> list[Block]:
+        """The longest run of leading cached blocks, leaving at least the last token to compute (its
+        logits are needed), so a fully cached prompt still recomputes its last block."""
+        hits = []
+        for block_hash in hashes[:(num_tokens - 1) // self.block_size]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def start(self, seq_id: int, hits: list[Block], hashes: list[bytes], num_tokens: int) -> int:
+        """Open a sequence on its prefix hits; returns the number of tokens whose KV is already cached."""
+        self.pool.touch(hits)
+        self.pool.prefix_queries += num_tokens
+        self.pool.prefix_hits += len(hits) * self.block_size
+        self.seqs[seq_id] = SeqBlocks(list(hits), list(hashes), len(hits))
+        return len(hits) * self.block_size
+
+    def commit(self, seq_id: int, token_ids: list[int], num_computed: int) -> None:
+        """Index the blocks that the last step filled (generated tokens included)."""
+        if not self.enable_caching:
+            return
+        seq = self.seqs[seq_id]
+        full = num_computed // self.block_size
+        bs = self.block_size
+        for i in range(seq.num_cached, full):
+            if i == len(seq.hashes):
+                parent = seq.hashes[-1] if seq.hashes else NO_PARENT
+                seq.hashes.append(hash_block_tokens(parent, token_ids[i * bs:(i + 1) * bs], self.extra))
+            self.pool.cache(seq.table[i], seq.hashes[i])
+        seq.num_cached = max(seq.num_cached, full)
+
+    # ---- slots ----------------------------------------------------------------------------
+    def _written(self, table: list[Block], num_computed: int, num_new: int) -> range:
+        """Indices of existing table blocks that positions [num_computed, +num_new) write into."""
+        return range(num_computed // self.block_size, min(len(table), cdiv(num_computed + num_new, self.block_size)))
+
+    def blocks_needed(self, items: list[tuple[int, int, int, int]]) -> int:
+        """Blocks that allocating (seq id, num_computed, num_new, reserve_tokens) for each item takes:
+        growth, plus one copy per writer of a shared block while other holders remain."""
+        need = 0
+        writers: dict[int, int] = {}
+        shared: dict[int, Block] = {}
+        for seq_id, num_computed, num_new, reserve in items:
+            table = self.seqs[seq_id].table
+            need += max(0, cdiv(max(num_computed + num_new, reserve), self.block_size) - len(table))
+            for i in self._written(table, num_computed, num_new):
+                block = table[i]
+                if block.ref_cnt > 1:
+                    writers[block.block_id] = writers.get(block.block_id, 0) + 1
+                    shared[block.block_id] = block
+        return need + sum(min(n, shared[b].ref_cnt - 1) for b, n in writers.items())
+
+    def allocate(self, seq_id: int, num_computed: int, num_new: int, reserve: int = 0
+                 ) -> tuple[list[int], list[tuple[int, int]]]:
+        """Make the table cover max(num_computed + num_new, reserve) tokens, copying any shared block the
+        new tokens write into first. Returns the appended block ids and the (src, dst) copies; a copy
+        replaces a table entry, so the worker then needs the whole table."""
+        table = self.seqs[seq_id].table
+        copies = []
+        for i in self._written(table, num_computed, num_new):
+            block = table[i]
+            if block.ref_cnt > 1:
+                (fresh,) = self.pool.allocate(1)
+                copies.append((block.block_id, fresh.block_id))
+                self.pool.free([block])
+                table[i] = fresh
+        grow = cdiv(max(num_computed + num_new, reserve), self.block_size) - len(table)
+        added = self.pool.allocate(grow) if grow > 0 else []
+        table.extend(added)
+        return [b.block_id for b in added], copies
+
+    def free(self, seq_id: int) -> None:
+        seq = self.seqs.pop(seq_id, None)
+        if seq is not None:
+            self.pool.free(seq.table[::-1])
+        swapped = self.swapped.pop(seq_id, None)
+        if swapped is not None:
+            self.swap_pool.free(swapped.table[::-1])
+
+    def fork(self, parent_id: int, child_id: int, num_tokens: int) -> None:
+        """The child shares the parent's blocks that hold its first `num_tokens` tokens."""
+        parent = self.seqs[parent_id]
+        shared = parent.table[:cdiv(num_tokens, self.block_size)]
+        self.pool.touch(shared)
+        full = num_tokens // self.block_size
+        self.seqs[child_id] = SeqBlocks(list(shared), parent.hashes[:full], min(parent.num_cached, full))
+
+    # ---- swapping -------------------------------------------------------------------------
+    @staticmethod
+    def _distinct(tables: list[list[Block]]) -> int:
+        return len({b.block_id for table in tables for b in table})
+
+    def can_swap_out(self, seq_ids: list[int]) -> bool:
+        need = self._distinct([self.seqs[s].table for s in seq_ids])
+        return self.swap_pool is not None and need <= self.swap_pool.num_free
+
+    def swap_out(self, seq_ids: list[int]) -> list[tuple[int, int]]:
+        """Move the sequences' blocks to swap blocks (shared blocks stay shared); (device, swap) pairs."""
+        mapping: dict[int, Block] = {}
+        pairs = []
+        for seq_id in seq_ids:
+            seq = self.seqs.pop(seq_id)
+            swap_table = []
+            for block in seq.table:
+                target = mapping.get(block.block_id)
+                if target is None:
+                    (target,) = self.swap_pool.allocate(1)
+                    mapping[block.block_id] = target
+                    pairs.append((block.block_id, target.block_id))
+                else:
+                    self.swap_pool.touch([target])
+                swap_table.append(target)
+            self.pool.free(seq.table[::-1])
+            self.swapped[seq_id] = SeqBlocks(swap_table, seq.hashes, seq.num_cached)
+        return pairs
+
+    def swap_in_needed(self, seq_ids: list[int]) -> int:
+        """At most this many free blocks (cached blocks still on the device may save some)."""
+        return self._distinct([self.swapped[s].table for s in seq_ids])
+
+    def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
+        """Bring swapped sequences back to the device; (swap, device) pairs. A full block whose hash is
+        still cached on the device is taken from there instead of copied back."""
+        mapping: dict[int, Block] = {}
+        pairs = []
+        for seq_id in seq_ids:
+            seq = self.swapped.pop(seq_id)
+            table = []
+            for i, block in enumerate(seq.table):
+                target = mapping.get(block.block_id)
+                if target is None and i < seq.num_cached:
+                    target = self.pool.lookup(seq.hashes[i])
+                    if target is not None:
+                        mapping[block.block_id] = target
+                if target is None:
+                    (target,) = self.pool.allocate(1)
+                    mapping[block.block_id] = target
+                    pairs.append((block.block_id, target.block_id))
+                else:
+                    self.pool.touch([target])
+                table.append(target)
+            self.swap_pool.free(seq.table[::-1])
+            for i in range(seq.num_cached):
+                self.pool.cache(table[i], seq.hashes[i])
+            self.seqs[seq_id] = SeqBlocks(table, seq.hashes, seq.num_cached)
+        return pairs

@@ -1,0 +1,462 @@
+"""Scenarios of the scheduler core, run against SimWorker (the plan contract on a checked shadow cache)."""
+from __future__ import annotations
+
+import pytest
+
+from sched_sim import SimWorker, drive
+from scheduler.scheduler import FinishedRequest, Scheduler
+from shared.protocol import Request, StepResult, WorkerRegistration
+from shared.sampling import SamplingParams
+from shared.settings import Settings
+
+BS = 8
+EOS = 1
+
+
+def pick(rid: str, sample: int, index: int) -> int:
+    """Sampled tokens depend on (request, sample, position) only, like seeded sampling; never EOS."""
+    return 2 + (sum(map(ord, rid)) + 5 * sample + 3 * index) % 40
+
+
+def make(num_blocks: int = 64, num_swap: int = 0, workers=("w0",), max_model_len: int = 256, **overrides):
+    sched = Scheduler(Settings(**{"block_size": BS, "watermark": 0.0, **overrides}))
+    sims = {}
+    for wid in workers:
+        reg = WorkerRegistration(wid, "model", num_blocks, num_swap, BS, max_model_len, [EOS])
+        sims[wid] = SimWorker(reg, pick)
+        sched.add_worker(reg)
+    return sched, sims
+
+
+def request(rid: str, prompt_len: int = 8, max_tokens: int = 20, prompt: list[int] | None = None,
+            **params) -> Request:
+    tokens = prompt if prompt is not None else [50 + (ord(rid[0]) * 31 + i) % 400 for i in range(prompt_len)]
+    return Request(rid, "model", tokens, SamplingParams(max_tokens=max_tokens, **params), 0.0)
+
+
+def used_blocks(sched: Scheduler, wid: str = "w0") -> int:
+    kv = sched.workers[wid].kv
+    return kv.pool.num_usable - kv.num_free
+
+
+def reference_outputs(requests: list[Request]) -> dict[tuple[str, int], list[int]]:
+    """The same requests on a cache large enough for no preemption."""
+    sched, sims = make(num_blocks=256, enable_prefix_caching=False)
+    for req in requests:
+        sched.add_request(req)
+    outputs: dict[tuple[str, int], list[int]] = {}
+    drive(sched, sims, outputs)
+    assert sched.num_preemptions == 0
+    return outputs
+
+
+# ---- preemption -------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_latest_arrival_is_preempted_and_the_earliest_resumes_first(mode):
+    # 6 usable blocks of 8 tokens; each request grows to 28 tokens (4 blocks): they cannot all run.
+    sched, sims = make(num_blocks=7, num_swap=16, preemption_mode=mode, enable_prefix_caching=False)
+    ws, sim = sched.workers["w0"], sims["w0"]
+    requests = [request(rid) for rid in "abc"]
+    for req in requests:
+        sched.add_request(req)
+    victims, resumed, first_sent = [], [], {}  # (step, rid) events
+    outputs: dict[tuple[str, int], list[int]] = {}
+    step = 0
+    while sched.has_unfinished():
+        running = {rs.rid: rs for rs in ws.running}
+        held = {rid: {b for s in rs.seqs for b in ws.kv.block_ids(s.seq_id)} for rid, rs in running.items()}
+        parked = [rs.rid for rs in ws.preempted]
+        plan = sched.schedule("w0")
+        now_parked = [rs.rid for rs in ws.preempted]
+        out = [rid for rid in reversed(now_parked) if rid in running]
+        victims += [(step, rid) for rid in out]
+        resumed += [(step, rid) for rid in parked if rid not in now_parked]
+        if mode == "recompute":
+            assert {s.seq_id for rid in out for s in running[rid].seqs if s.sent} <= set(plan.finished)
+        else:
+            assert {dev for dev, _ in plan.swap_out} == set().union(*(held[rid] for rid in out))
+        for new in plan.new_sequences:
+            first_sent.setdefault(new.rid, step)
+        result = sim.execute(plan)
+        for token in result.outputs:
+            outputs.setdefault((token.rid, token.sample_index), []).append(token.token_id)
+        sched.apply_result(result)
+        if victims and len(requests) == 3:
+            requests.append(request("d"))  # arrives while a preempted request waits
+            sched.add_request(requests[-1])
+        step += 1
+    assert [rid for _, rid in victims][:2] == ["c", "b"], "the latest arrival goes first"
+    assert [rid for _, rid in resumed][:2] == ["b", "c"], "the earliest preempted comes back first"
+    for when, rid in victims:
+        if when < first_sent["d"]:
+            assert any(when < back <= first_sent["d"] for back, r in resumed if r == rid), \
+                "a new request waits while a preempted one has not resumed"
+    assert sched.num_preemptions == len(victims) >= 2
+    assert outputs == reference_outputs(requests), "preemption changes no token"
+
+
+def test_recompute_resends_the_generated_tokens():
+    sched, sims = make(num_blocks=7, enable_prefix_caching=False)
+    requests = [request(rid) for rid in "abc"]
+    for req in requests:
+        sched.add_request(req)
+    outputs: dict[tuple[str, int], list[int]] = {}
+    plans = drive(sched, sims, outputs)
+    resumed = [new for plan in plans for new in plan.new_sequences if new.output_token_ids]
+    assert resumed, "the small cache forces a recompute"
+    for new in resumed:
+        final = outputs[(new.rid, new.sample_index)]
+        assert new.output_token_ids == final[:len(new.output_token_ids)]
+        assert new.prompt_token_ids == next(r.prompt_token_ids for r in requests if r.rid == new.rid)
+    assert outputs == reference_outputs(requests)
+
+
+def test_swap_round_trip_maps_each_block_back():
+    sched, sims = make(num_blocks=7, num_swap=16, preemption_mode="swap", enable_prefix_caching=False)
+    sim = sims["w0"]
+    requests = [request(rid) for rid in "abc"]
+    for req in requests:
+        sched.add_request(req)
+    outputs: dict[tuple[str, int], list[int]] = {}
+    to_swap: dict[int, list[int]] = {}  # seq id → its table in swap blocks
+    pending: dict[int, list[int]] = {}  # seq id → the device table it must come back with
+    swap_ins = 0
+    while sched.has_unfinished():
+        plan = sched.schedule("w0")
+        assert not (plan.swap_out and plan.swap_in), "swap-in waits for a step without preemption"
+        out = dict(plan.swap_out)
+        for seq_id, seq in sim.seqs.items():
+            if seq.table and set(seq.table) <= set(out) and seq_id not in pending:
+                to_swap[seq_id] = [out[b] for b in seq.table]
+        back = dict(plan.swap_in)
+        swap_ins += bool(back)
+        for seq_id, table in list(to_swap.items()):
+            if table and set(table) <= set(back):
+                pending[seq_id] = [back[b] for b in table]
+                del to_swap[seq_id]
+        for sched_seq in plan.scheduled:
+            if sched_seq.seq_id in pending:
+                expected = pending.pop(sched_seq.seq_id)
+                assert sched_seq.block_table[:len(expected)] == expected
+                assert not any(n.seq_id == sched_seq.seq_id for n in plan.new_sequences), "the worker kept it"
+        result = sim.execute(plan)
+        for token in result.outputs:
+            outputs.setdefault((token.rid, token.sample_index), []).append(token.token_id)
+        sched.apply_result(result)
+    assert swap_ins >= 2 and not to_swap and not pending
+    assert outputs == reference_outputs(requests)
+
+
+def test_swap_falls_back_to_recompute_without_swap_space():
+    sched, sims = make(num_blocks=7, num_swap=1, preemption_mode="swap", enable_prefix_caching=False)
+    requests = [request(rid) for rid in "abc"]
+    for req in requests:
+        sched.add_request(req)
+    outputs: dict[tuple[str, int], list[int]] = {}
+    plans = drive(sched, sims, outputs)
+    assert sched.num_preemptions > 0 and not any(p.swap_out for p in plans)
+    assert outputs == reference_outputs(requests)
+
+
+# ---- chunked prefill --------------------------------------------------------------------------
+def test_long_prompt_is_chunked_by_the_token_budget():
+    sched, sims = make(max_num_batched_tokens=16)
+    sched.add_request(request("x", prompt_len=50, max_tokens=3))
+    outputs: dict[tuple[str, int], list[int]] = {}
+    plans = drive(sched, sims, outputs)
+    steps = [[(s.num_computed_tokens, s.num_new_tokens) for s in p.scheduled] for p in plans]
+    assert steps == [[(0, 16)], [(16, 16)], [(32, 16)], [(48, 2)], [(50, 1)], [(51, 1)]]
+    assert len(outputs[("x", 0)]) == 3, "only the chunk that reaches the end samples"
+
+
+def test_decodes_go_first_and_a_prefill_chunk_fills_the_rest_of_the_budget():
+    sched, sims = make(max_num_batched_tokens=16)
+    sched.add_request(request("y", prompt_len=4, max_tokens=10))
+    drive(sched, sims, rounds=1)
+    sched.add_request(request("x", prompt_len=50, max_tokens=3))
+    plan = sched.schedule("w0")
+    assert [(s.num_computed_tokens, s.num_new_tokens) for s in plan.scheduled] == [(4, 1), (0, 15)]
+    assert [n.rid for n in plan.new_sequences] == ["x"]
+
+
+# ---- parallel sampling ------------------------------------------------------------------------
+def test_four_samples_share_the_prompt_blocks():
+    prompt = list(range(100, 136))  # 4 full blocks and 4 tokens
+    shared, shared_sims = make(enable_prefix_caching=False)
+    shared.add_request(request("n4", prompt=prompt, max_tokens=2, n=4))
+    outputs: dict[tuple[str, int], list[int]] = {}
+    plans = drive(shared, shared_sims, outputs, rounds=2)
+    assert [(s.num_computed_tokens, s.num_new_tokens) for s in plans[0].scheduled] == [(0, 35)]
+    fork = plans[1]
+    assert len(fork.new_sequences) == 3 and all(s.num_computed_tokens == 35 for s in fork.scheduled)
+    assert len(fork.copies) == 3 and len({src for src, _ in fork.copies}) == 1, "copy-on-write of the last block"
+    used_shared = used_blocks(shared)
+
+    separate, separate_sims = make(enable_prefix_caching=False)
+    for k in range(4):
+        separate.add_request(request(f"s{k}", prompt=prompt, max_tokens=2))
+    drive(separate, separate_sims, rounds=1)
+    used_separate = used_blocks(separate)
+    assert (used_shared, used_separate) == (4 + 4, 4 * 5), "4 shared full blocks + 1 own block per sample"
+
+    drive(shared, shared_sims, outputs)
+    assert sorted(outputs) == [("n4", i) for i in range(4)] and all(len(t) == 2 for t in outputs.values())
+    assert used_blocks(shared) == 0
+
+
+# ---- rejection and bad input ------------------------------------------------------------------
+def test_a_prompt_larger_than_the_cache_is_rejected_at_once():
+    sched, _ = make(num_blocks=4)  # 3 usable blocks: 24 tokens
+    sched.add_request(request("big", prompt_len=30))
+    assert not sched.has_unfinished()
+    message = "the request has 30 tokens, which need 4 KV blocks of 8 tokens, but worker w0 holds only 3 blocks"
+    assert sched.pop_finished() == [FinishedRequest("big", "error", message)]
+
+
+def test_a_prompt_as_long_as_max_model_len_is_rejected():
+    sched, _ = make(max_model_len=20)
+    sched.add_request(request("long", prompt_len=20))
+    (done,) = sched.pop_finished()
+    assert done.finish_reason == "error" and "max_model_len is 20" in done.error
+
+
+def test_a_request_only_a_larger_worker_holds_goes_there():
+    sched = Scheduler(Settings(block_size=BS))
+    sched.add_worker(WorkerRegistration("small", "model", 4, 0, BS, 256, [EOS]))
+    sched.add_worker(WorkerRegistration("large", "model", 40, 0, BS, 256, [EOS]))
+    sched.add_request(request("big", prompt_len=30))
+    assert sched.schedule("small") is None and sched.schedule("large").new_sequences[0].rid == "big"
+
+
+@pytest.mark.parametrize("req, message", [
+    (Request("r", "model", [], SamplingParams(), 0.0), "the prompt is empty"),
+    (Request("r", "model", [3, -1], SamplingParams(), 0.0), "token ids must be 0 or more"),
+    (Request("r", "model", [3], SamplingParams(n=0), 0.0), r"n must be in [1, 128]; got 0"),
+    (Request("r", "model", [3], SamplingParams(max_tokens=0), 0.0), "max_tokens must be at least 1"),
+])
+def test_bad_requests_fail_with_a_clear_message(req, message):
+    sched, _ = make()
+    sched.add_request(req)
+    (done,) = sched.pop_finished()
+    assert done.finish_reason == "error" and message in done.error and not sched.has_unfinished()
+
+
+def test_outputs_for_a_sample_that_does_not_exist_are_refused():
+    sched, _ = make()
+    sched.add_request(request("r"), {3: [5]})
+    (done,) = sched.pop_finished()
+    assert done.error == "outputs given for sample 3 of a request with n=1"
+
+
+def test_unusable_registration_is_refused():
+    sched, _ = make()
+    with pytest.raises(ValueError, match="block_size must be a power of two"):
+        sched.add_worker(WorkerRegistration("w1", "model", 16, 0, 12, 256, [EOS]))
+    with pytest.raises(ValueError, match="num_blocks >= 2"):
+        sched.add_worker(WorkerRegistration("w1", "model", 1, 0, BS, 256, [EOS]))
+    assert sched.worker_ids == ["w0"]
+
+
+# ---- several workers --------------------------------------------------------------------------
+def test_requests_of_a_lost_worker_resume_elsewhere_keeping_their_tokens():
+    requests = [request(rid, max_tokens=12) for rid in "abcd"]
+    sched, sims = make(workers=("w0", "w1"), enable_prefix_caching=False)
+    for req in requests:
+        sched.add_request(req)
+    outputs: dict[tuple[str, int], list[int]] = {}
+    drive(sched, sims, outputs, rounds=4)
+    on_w0 = {rs.rid for rs in sched.workers["w0"].running}
+    assert on_w0 and all(outputs[(rid, 0)] for rid in on_w0)
+    before = {rid: list(outputs[(rid, 0)]) for rid in on_w0}
+    sched.remove_worker("w0")
+    assert sched.worker_ids == ["w1"]
+    plans = drive(sched, sims, outputs)
+    moved = {n.rid: n.output_token_ids for n in plans[0].new_sequences}
+    assert moved == before, "the moved requests resume from prompt + the tokens they had"
+    assert outputs == reference_outputs(requests), "every token exactly once, the same tokens"
+
+
+def test_a_new_request_goes_where_its_prefix_is_cached():
+    sched, sims = make(workers=("w0", "w1"))
+    prefix = list(range(200, 232))  # 4 blocks
+    sched.add_request(request("first", prompt=prefix + [1, 2, 3], max_tokens=2))
+    drive(sched, sims)
+    warm = next(wid for wid, ws in sched.workers.items() if ws.kv.pool.cached)
+    cold = "w1" if warm == "w0" else "w0"
+    sched.add_request(request("second", prompt=prefix + [4, 5], max_tokens=2))
+    sched.add_request(request("other", prompt=list(range(300, 335)), max_tokens=2))
+    assert sched.requests["second"].worker_id == warm, "the longest prefix hit wins"
+    assert sched.requests["other"].worker_id == cold, "without a hit, the least loaded worker"
+    hits = sched.stats(0.0).workers[sched.worker_ids.index(warm)].prefix_hits
+    drive(sched, sims)
+    assert sched.stats(0.0).workers[sched.worker_ids.index(warm)].prefix_hits - hits == 32
+
+
+def test_queued_work_outweighs_a_short_prefix_hit():
+    sched, sims = make(workers=("w0", "w1"))
+    prefix = list(range(200, 208))  # 1 block
+    sched.add_request(request("first", prompt=prefix + [1, 2], max_tokens=1))
+    drive(sched, sims)
+    warm = next(wid for wid, ws in sched.workers.items() if ws.kv.pool.cached)
+    cold = "w1" if warm == "w0" else "w0"
+    sched.add_request(request("queued", prompt=list(range(400, 440)), max_tokens=4))
+    assert sched.requests["queued"].worker_id == warm, "a tie goes to the first worker"
+    sched.add_request(request("second", prompt=prefix + [9, 9], max_tokens=2))
+    assert sched.requests["second"].worker_id == cold, "40 queued tokens there outweigh an 8-token hit"
+
+
+def test_re_registering_a_worker_is_a_no_op_and_a_changed_one_starts_over():
+    sched, sims = make()
+    sched.add_request(request("r", max_tokens=6))
+    drive(sched, sims, rounds=2)
+    reg = sims["w0"].reg
+    sched.add_worker(reg)
+    assert sched.requests["r"].seqs, "the same registration again changes nothing"
+    bigger = WorkerRegistration(reg.worker_id, reg.model_id, 128, 0, BS, 256, [EOS])
+    sched.add_worker(bigger)
+    assert not sched.requests["r"].seqs and sched.workers["w0"].kv.pool.num_usable == 127
+    plans = drive(sched, {"w0": SimWorker(bigger, pick)})
+    assert len(plans[0].new_sequences[0].output_token_ids) == 2
+
+
+# ---- the plan in flight, aborts, failures, restarts -------------------------------------------
+def test_one_plan_in_flight_and_stale_results_are_ignored():
+    sched, sims = make()
+    sched.add_request(request("r", max_tokens=4))
+    plan = sched.schedule("w0")
+    assert sched.schedule("w0") is None
+    result = sims["w0"].execute(plan)
+    sched.apply_result(StepResult("w0", plan.epoch, plan.step_id + 1, result.outputs))
+    sched.apply_result(StepResult("w0", plan.epoch + 1, plan.step_id, result.outputs))
+    sched.apply_result(StepResult("nobody", plan.epoch, plan.step_id, result.outputs))
+    assert sched.schedule("w0") is None, "still waiting for the real result"
+    sched.apply_result(result)
+    token = result.outputs[0].token_id
+    assert sched.requests["r"].outputs == [[token]]
+    sched.apply_result(result)
+    assert sched.requests["r"].outputs == [[token]], "a replayed result is ignored"
+    assert sched.schedule("w0").step_id == plan.step_id + 1
+
+
+def test_a_missing_token_is_sampled_again():
+    sched, sims = make()
+    sched.add_request(request("r", max_tokens=2))
+    plan = sched.schedule("w0")
+    sims["w0"].execute(plan)
+    sched.apply_result(StepResult("w0", plan.epoch, plan.step_id, []))
+    again = sched.schedule("w0")
+    assert [(s.num_computed_tokens, s.num_new_tokens) for s in again.scheduled] == [(7, 1)]
+
+
+def test_abort_frees_blocks_and_tells_the_worker():
+    sched, sims = make()
+    sched.add_request(request("r", prompt_len=20, max_tokens=50))
+    plans = drive(sched, sims, rounds=3)
+    seq_id = plans[0].new_sequences[0].seq_id
+    assert used_blocks(sched) == 3
+    sched.abort("r")
+    sched.abort("r")
+    sched.abort("unknown")
+    assert sched.pop_finished() == [FinishedRequest("r", "abort")]
+    assert used_blocks(sched) == 0 and not sched.has_unfinished()
+    sched.add_request(request("s", max_tokens=1))
+    assert sched.schedule("w0").finished == [seq_id]
+
+
+def test_an_abort_while_the_step_runs_drops_its_tokens():
+    sched, sims = make()
+    sched.add_request(request("r", max_tokens=5))
+    plan = sched.schedule("w0")
+    result = sims["w0"].execute(plan)
+    sched.abort("r", "stop")  # a stop string the gateway found
+    sched.apply_result(result)
+    assert sched.pop_finished() == [FinishedRequest("r", "stop")] and used_blocks(sched) == 0
+
+
+def test_a_failed_step_fails_its_requests():
+    sched, _ = make()
+    sched.add_request(request("r", max_tokens=5))
+    sched.add_request(request("s", max_tokens=5))
+    plan = sched.schedule("w0")
+    sched.apply_result(StepResult("w0", plan.epoch, plan.step_id, [], error="CUDA error: out of memory"))
+    done = sched.pop_finished()
+    assert [d.rid for d in done] == ["r", "s"]
+    assert all(d.finish_reason == "error" and "out of memory" in d.error for d in done)
+    assert used_blocks(sched) == 0
+
+
+def test_restart_resumes_from_the_tokens_already_sent():
+    sched, sims = make()
+    req = request("r", prompt_len=10, max_tokens=5, n=3)
+    sent = {0: [7, 8, 9], 1: [7, 7, 7, 7, 7], 2: [7, EOS]}
+    sched.add_request(req, {k: list(v) for k, v in sent.items()})
+    outputs = {(req.rid, k): list(v) for k, v in sent.items()}
+    plans = drive(sched, sims, outputs)
+    assert [(n.sample_index, n.output_token_ids) for n in plans[0].new_sequences] == [(0, [7, 8, 9])]
+    assert len(outputs[("r", 0)]) == 5 and outputs[("r", 1)] == sent[1] and outputs[("r", 2)] == sent[2]
+    assert sched.pop_finished() == [FinishedRequest("r", "length")]
+
+
+def test_a_request_with_every_sample_done_finishes_at_once():
+    sched, _ = make()
+    sched.add_request(request("r", max_tokens=2), {0: [5, 6]})
+    assert sched.pop_finished() == [FinishedRequest("r", "length")] and not sched.has_unfinished()
+
+
+def test_requests_wait_for_a_worker_then_expire():
+    sched = Scheduler(Settings(block_size=BS))
+    sched.add_request(request("early"))
+    sched.expire_waiting(100.0, 10.0)
+    sched.expire_waiting(109.0, 10.0)
+    assert sched.has_unfinished() and sched.stats(109.0).waiting == 1
+    sched.expire_waiting(111.0, 10.0)
+    assert sched.pop_finished() == [FinishedRequest("early", "error", "no worker could take the request within 10 s")]
+    sched.add_request(request("late"))
+    sched.expire_waiting(200.0, 10.0)
+    sched.add_worker(WorkerRegistration("w0", "model", 16, 0, BS, 256, [EOS]))
+    sched.expire_waiting(300.0, 10.0)
+    assert sched.has_unfinished() and sched.requests["late"].worker_id == "w0"
+
+
+def test_a_request_the_cache_cannot_grow_into_ends_with_length():
+    sched, sims = make(num_blocks=4)  # 24 tokens of KV
+    sched.add_request(request("r", prompt_len=10, max_tokens=30))
+    outputs: dict[tuple[str, int], list[int]] = {}
+    drive(sched, sims, outputs)
+    assert sched.pop_finished() == [FinishedRequest("r", "length")]
+    assert len(outputs[("r", 0)]) == 24 - 10 + 1, "it ran until every block held its tokens"
+
+
+def test_stats():
+    sched, sims = make(num_blocks=7, enable_prefix_caching=False)
+    for rid in "abcd":
+        sched.add_request(request(rid))
+    while sched.num_preemptions == 0:
+        drive(sched, sims, rounds=1)
+    stats = sched.stats(5.0)
+    ws = sched.workers["w0"]
+    assert (stats.time, stats.running, stats.preempted, stats.preemptions) == (5.0, len(ws.running), 1, 1)
+    assert stats.waiting == len(ws.waiting) == 4 - len(ws.running) - 1
+    (worker,) = stats.workers
+    assert (worker.worker_id, worker.num_blocks, worker.free_blocks) == ("w0", 6, ws.kv.num_free)
+    assert worker.running == ws.num_running_seqs and worker.prefix_queries > 0 and worker.prefix_hits == 0
+
+
+def test_duplicate_delivery_of_a_request_is_ignored():
+    sched, _ = make()
+    sched.add_request(request("r"))
+    sched.add_request(request("r", prompt_len=3))
+    assert len(sched.workers["w0"].waiting) == 1 and sched.requests["r"].prompt == request("r").prompt_token_ids
+
+
+# ---- the contiguous-reservation baseline ------------------------------------------------------
+@pytest.mark.parametrize("reservation, batch", [("paged", 8), ("max_model_len", 3)])
+def test_reserving_max_model_len_shrinks_the_batch(reservation, batch):
+    sched, sims = make(num_blocks=25, max_model_len=64, kv_reservation=reservation)  # 24 blocks, 8 per 64 tokens
+    for k in range(8):
+        sched.add_request(request(f"r{k}", max_tokens=8))
+    peak = 0
+    while sched.has_unfinished():
+        drive(sched, sims, rounds=1)
+        peak = max(peak, sched.stats(0.0).running)
+    assert peak == batch and sched.num_preemptions == 0

@@ -1,0 +1,229 @@
+"""Property test of the scheduler core: random interleavings of arrivals, steps, results, aborts and
+worker loss, with tiny block pools so that prefix hits, copy-on-write, preemption (both modes) and
+rejection all happen. Plans run on SimWorker, whose shadow cache checks every position a step reads.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+from hypothesis import HealthCheck, event, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from sched_sim import SimWorker
+from scheduler.kv_cache_manager import hash_full_blocks
+from scheduler.request import Status
+from scheduler.scheduler import Scheduler
+from shared.protocol import Request, WorkerRegistration
+from shared.sampling import SamplingParams
+from shared.settings import Settings
+
+BS = 8
+EOS = 1
+VOCAB = [2, 3, 4, 5]  # few distinct ids: prompts and generated blocks collide, so prefixes are shared
+PREFIXES = [[], [2] * 8, [2, 3, 4, 5] * 4]
+MAX_DRAIN_STEPS = 5000  # rounds; slow configurations (one sequence a step) need several hundred
+
+worker_spec = st.tuples(st.integers(4, 10), st.integers(0, 20), st.integers(24, 80))
+request_spec = st.tuples(st.sampled_from(PREFIXES), st.lists(st.sampled_from(VOCAB), min_size=1, max_size=24),
+                         st.integers(1, 3), st.integers(1, 16), st.booleans(), st.sampled_from([[], [5]]))
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(
+        budget=st.sampled_from([8, 16, 64]),
+        max_seqs=st.sampled_from([1, 2, 4, 8]),
+        mode=st.sampled_from(["recompute", "swap"]),
+        caching=st.booleans(),
+        watermark=st.sampled_from([0.0, 0.1]),
+        reservation=st.sampled_from(["paged", "paged", "max_model_len"]),
+        specs=st.lists(worker_spec, min_size=1, max_size=2),
+    )
+    def setup(self, budget, max_seqs, mode, caching, watermark, reservation, specs):
+        self.sched = Scheduler(Settings(block_size=BS, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                                        preemption_mode=mode, enable_prefix_caching=caching, watermark=watermark,
+                                        kv_reservation=reservation), epoch=7)
+        self.sims: dict[str, SimWorker] = {}
+        self.pending = {}
+        self.requests: dict[str, Request] = {}
+        self.record: dict[str, list[list[int]]] = {}
+        self.aborted: set[str] = set()
+        self.ended: dict[str, str] = {}
+        self.ids = itertools.count()
+        self.draw_token = lambda: VOCAB[0]
+        for spec in specs:
+            self._add_worker(spec)
+
+    def _add_worker(self, spec) -> None:
+        num_blocks, num_swap, max_len = spec
+        reg = WorkerRegistration(f"w{next(self.ids)}", "model", num_blocks, num_swap, BS, max_len, [EOS])
+        self.sims[reg.worker_id] = SimWorker(reg, lambda rid, sample, index: self.draw_token())
+        self.sched.add_worker(reg)
+
+    def _worker(self, index: int) -> str:
+        ids = self.sched.worker_ids
+        return ids[index % len(ids)]
+
+    # ---- rules ----------------------------------------------------------------------------
+    @rule(batch=st.lists(request_spec, min_size=1, max_size=4))
+    def arrive(self, batch):
+        for prefix, suffix, n, max_tokens, ignore_eos, stop in batch:
+            rid = f"r{next(self.ids)}"
+            params = SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=stop)
+            req = Request(rid, "model", prefix + suffix, params, 0.0)
+            self.requests[rid] = req
+            self.record[rid] = [[] for _ in range(n)]
+            self.sched.add_request(req)
+
+    @rule(data=st.data(), index=st.integers(0, 1))
+    def step(self, data, index):
+        wid = self._worker(index)
+        plan = self.sched.schedule(wid)
+        if wid in self.pending:
+            assert plan is None, "one plan in flight per worker"
+            return
+        if plan is None:
+            return
+        ws = self.sched.workers[wid]
+        for sched in plan.scheduled:
+            table = ws.kv.seqs[sched.seq_id].table
+            first, end = sched.num_computed_tokens // BS, -(-(sched.num_computed_tokens + sched.num_new_tokens) // BS)
+            assert all(b.ref_cnt == 1 for b in table[first:end]), "a write into a shared block"
+        for new in plan.new_sequences:
+            req = self.requests[new.rid]
+            assert new.prompt_token_ids == req.prompt_token_ids
+            assert new.output_token_ids == self.record[new.rid][new.sample_index], "generated tokens are kept"
+        event(f"plan: copies={bool(plan.copies)} swap_out={bool(plan.swap_out)} swap_in={bool(plan.swap_in)}")
+        self.draw_token = lambda: data.draw(st.sampled_from([EOS] + VOCAB), label="token")
+        self.pending[wid] = self.sims[wid].execute(plan)
+
+    @rule(data=st.data(), steps=st.integers(1, 8))
+    def run(self, data, steps):
+        """Several whole steps on every worker (schedule, execute, apply), so that requests progress."""
+        for _ in range(steps):
+            for index in range(len(self.sched.worker_ids)):
+                wid = self._worker(index)
+                if wid in self.pending:
+                    self._apply(self.pending.pop(wid))
+                self.step(data, index)
+                if wid in self.pending:
+                    self._apply(self.pending.pop(wid))
+
+    @rule(index=st.integers(0, 1))
+    def result(self, index):
+        if not self.pending:
+            return
+        wid = sorted(self.pending)[index % len(self.pending)]
+        self._apply(self.pending.pop(wid))
+
+    def _apply(self, result) -> None:
+        before = {out.rid: self.sched.requests.get(out.rid) for out in result.outputs}
+        self.sched.apply_result(result)
+        for out in result.outputs:
+            rs = before[out.rid]
+            if rs is not None and rs.worker_id == result.worker_id:
+                assert rs.outputs[out.sample_index][out.output_index] == out.token_id, "a token was dropped"
+        self._sync_outputs()
+
+    def _sync_outputs(self) -> None:
+        """Generated tokens only ever grow: preemption and worker loss keep them."""
+        for rid, rs in self.sched.requests.items():
+            for i, out in enumerate(rs.outputs):
+                assert out[:len(self.record[rid][i])] == self.record[rid][i]
+                assert len(out) <= self.requests[rid].params.max_tokens
+                self.record[rid][i] = list(out)
+
+    @rule(data=st.data())
+    def abort(self, data):
+        if not self.sched.requests:
+            return
+        rid = data.draw(st.sampled_from(sorted(self.sched.requests)))
+        self.aborted.add(rid)
+        self.sched.abort(rid)
+
+    @rule(index=st.integers(0, 1), spec=worker_spec)
+    def lose_worker(self, index, spec):
+        wid = self._worker(index)
+        self.sched.remove_worker(wid)
+        self.pending.pop(wid, None)
+        del self.sims[wid]
+        self._add_worker(spec)
+
+    # ---- invariants -----------------------------------------------------------------------
+    @invariant()
+    def blocks_are_accounted(self):
+        for wid, ws in self.sched.workers.items():
+            for pool, tables in ((ws.kv.pool, ws.kv.seqs), (ws.kv.swap_pool, ws.kv.swapped)):
+                if pool is None:
+                    assert not tables
+                    continue
+                holders = Counter(b.block_id for seq in tables.values() for b in seq.table)
+                free = [b.block_id for b in pool.free_queue]
+                assert len(free) == len(set(free)) == pool.num_free
+                first = len(pool.blocks) - pool.num_usable  # the null block, if reserved
+                assert all(b not in holders and b not in free for b in range(first))
+                for block in pool.blocks[first:]:
+                    assert block.ref_cnt == holders[block.block_id], "ref count = tables holding it"
+                    assert (block.ref_cnt == 0) == block.is_free, "free xor in use"
+                assert pool.num_free + len(holders) == pool.num_usable, "free + in use = total"
+            running = {s.seq_id for rs in ws.running for s in rs.seqs}
+            swapped = {s.seq_id for rs in ws.preempted if rs.status is Status.SWAPPED for s in rs.seqs}
+            assert set(ws.kv.seqs) == running and set(ws.kv.swapped) == swapped, "no table without an owner"
+            assert all(not rs.seqs for rs in ws.waiting + ws.preempted if rs.status is not Status.SWAPPED)
+
+    @invariant()
+    def prefix_index_maps_identical_tokens(self):
+        for wid, ws in self.sched.workers.items():
+            sim = self.sims[wid]
+            for block_hash, block in ws.kv.pool.cached.items():
+                assert block.block_hash == block_hash
+                content = sim.block_content(block.block_id)
+                prefix = content[-1]
+                assert prefix is not None and all(c == prefix[:len(prefix) - BS + k + 1] for k, c in enumerate(content))
+                assert hash_full_blocks(list(prefix), BS, ws.kv.extra)[-1] == block_hash
+
+    @invariant()
+    def outputs_only_grow_and_requests_end_once(self):
+        self._sync_outputs()
+        for done in self.sched.pop_finished():
+            assert done.rid not in self.ended, "a request ends once"
+            self.ended[done.rid] = done.finish_reason
+            event(f"finish: {done.finish_reason}")
+            if done.rid in self.aborted:
+                assert done.finish_reason == "abort"
+            elif done.finish_reason == "error":
+                assert "KV blocks" in done.error or "max_model_len" in done.error
+            else:
+                assert done.finish_reason in ("stop", "length")
+
+    def teardown(self):
+        if not hasattr(self, "sched"):
+            return
+        self.draw_token = lambda: VOCAB[0]
+        for _ in range(MAX_DRAIN_STEPS):
+            if not self.sched.has_unfinished():
+                break
+            planned = False
+            for wid in self.sched.worker_ids:
+                if wid in self.pending:
+                    self._apply(self.pending.pop(wid))
+                plan = self.sched.schedule(wid)
+                if plan is not None:
+                    planned = True
+                    self._apply(self.sims[wid].execute(plan))
+            self.blocks_are_accounted()
+            self.outputs_only_grow_and_requests_end_once()
+            assert planned or not self.sched.has_unfinished(), "no worker got a plan while requests wait"
+        assert not self.sched.has_unfinished(), "every request ends"
+        event(f"preempted: {self.sched.num_preemptions > 0}, mode {self.sched.settings.preemption_mode}")
+        self.outputs_only_grow_and_requests_end_once()
+        assert set(self.ended) == set(self.requests)
+        for ws in self.sched.workers.values():
+            assert ws.kv.pool.num_free == ws.kv.pool.num_usable, "no block is held after every request ended"
+            assert ws.kv.swap_pool is None or ws.kv.swap_pool.num_free == ws.kv.swap_pool.num_usable
+            assert not ws.kv.seqs and not ws.kv.swapped
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None,
+                                              suppress_health_check=[HealthCheck.too_slow])
+TestScheduler = SchedulerMachine.TestCase
