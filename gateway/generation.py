@@ -54,7 +54,7 @@ class RequestTracker:
         self.samples = [Sample(IncrementalDetokenizer.after_prompt(decode, prompt_ids), StopStrings(list(stops)))
                         for _ in range(n)]
         self.error: str | None = None
-        self.ended_on_bus = False  # the scheduler ended the whole request (error)
+        self.ended_on_bus = False  # the scheduler ended the whole request (error, abort, or cache outgrown)
 
     @property
     def finished(self) -> bool:
@@ -69,35 +69,43 @@ class RequestTracker:
     def num_generated(self) -> int:
         return sum(len(s.token_ids) for s in self.samples)
 
-    def apply(self, out: TokenOutput) -> Delta | None:
-        """Take one entry of the request's output stream; None if it changes nothing."""
+    def apply(self, out: TokenOutput) -> list[Delta]:
+        """Take one entry of the request's output stream; the deltas it makes (none, one, or one per
+        sample still running when the scheduler ends the whole request)."""
         if out.rid != self.rid or self.error is not None:
-            return None
+            return []
         if out.sample_index == -1:
+            self.ended_on_bus = True
             if out.finish_reason == "error":
                 self.error = out.error or "the request failed"
-                self.ended_on_bus = True
-            return None
+                return []
+            reason = out.finish_reason or "abort"
+            return [self._end(i, "", reason) for i, s in enumerate(self.samples) if s.finish_reason is None]
         if not 0 <= out.sample_index < len(self.samples):
-            return None
+            return []
         sample = self.samples[out.sample_index]
         if out.finish_reason is not None:
             sample.ended_on_bus = True
         if sample.finish_reason is not None or out.output_index < len(sample.token_ids):
-            return None
+            return []
         sample.token_ids.append(out.token_id)
         record = TokenLogprob(out.token_id, out.logprob, list(out.top_logprobs), sample.detok_len)
         sample.logprobs.append(record)
         # A token that ends the sample as a stop token (EOS or stop_token_ids) is not part of the text.
         new = "" if out.finish_reason == "stop" else sample.detok.add(out.token_id)
-        if out.finish_reason is not None:
+        return [self._end(out.sample_index, new, out.finish_reason, [record])]
+
+    def _end(self, index: int, new: str, finish_reason: str | None, records: list[TokenLogprob] | None = None) -> Delta:
+        """Feed new text to a sample through its stop strings; a finish flushes what was held back."""
+        sample = self.samples[index]
+        if finish_reason is not None:
             new += sample.detok.flush()
         sample.detok_len += len(new)
         text, stop = sample.stop.feed(new)
         if stop is not None:
             sample.finish_reason, sample.stop_reason = "stop", stop
-        elif out.finish_reason is not None:
+        elif finish_reason is not None:
             text += sample.stop.flush()
-            sample.finish_reason = out.finish_reason
+            sample.finish_reason = finish_reason
         sample.text += text
-        return Delta(out.sample_index, text, [record], sample.finish_reason, sample.stop_reason)
+        return Delta(index, text, records or [], sample.finish_reason, sample.stop_reason)

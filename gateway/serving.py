@@ -130,14 +130,14 @@ class Generation:
                 if isinstance(out, BaseException):
                     raise out
                 tracker = self.trackers[i]
-                delta = tracker.apply(out)
-                if i in waiting and (delta is not None or tracker.finished):
+                deltas = tracker.apply(out)
+                if i in waiting and (deltas or tracker.finished):
                     waiting.discard(i)
                     gw.waiting -= 1
                     self._first_token(i, arrival)
                 if tracker.error is not None:
                     raise RequestFailed(tracker.error, sum(t.num_generated for t in self.trackers))
-                if delta is not None:
+                for delta in deltas:
                     yield i * n + delta.sample_index, delta
         finally:
             for reader in readers:

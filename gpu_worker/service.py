@@ -21,8 +21,8 @@ from shared.protocol import StepPlan, StepResult, WorkerGone, encode
 from shared.settings import Settings
 
 log = logging.getLogger("gpu_worker")
-PLAN_STREAM_MAXLEN = 1000
 RESULT_STREAM_MAXLEN = 10_000
+EXPIRY_REFRESH_TOKENS = 64
 
 
 class WorkerService:
@@ -132,7 +132,8 @@ class WorkerService:
                 for out in result.outputs:
                     key = self.keys.out(out.rid)
                     pipe.xadd(key, {FIELD: encode(out)})
-                    pipe.pexpire(key, keep_ms)
+                    if out.output_index % EXPIRY_REFRESH_TOKENS == 0:  # abandoned streams expire
+                        pipe.pexpire(key, keep_ms)
                 pipe.xadd(self.keys.results, {FIELD: encode(result)}, maxlen=RESULT_STREAM_MAXLEN, approximate=True)
                 pipe.set(self.keys.heartbeat(self.worker_id), 1, px=self._ttl_ms)
                 pipe.execute()

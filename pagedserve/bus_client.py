@@ -51,8 +51,11 @@ class BusClient:
             for entry_id, fields in entries:
                 out = decode(fields[FIELD.encode()], TokenOutput)
                 self.cursors[out.rid] = entry_id
-                if out.sample_index < 0:
-                    self.errors[out.rid] = out.error or ""
+                if out.sample_index < 0:  # the scheduler ended the request
+                    if out.finish_reason == "error":
+                        self.errors[out.rid] = out.error or ""
+                    for i in range(self.n[out.rid]):
+                        self.finish[out.rid].setdefault(i, out.finish_reason or "abort")
                     continue
                 seen = self.tokens[out.rid][out.sample_index]
                 if seen.get(out.output_index, out.token_id) != out.token_id:

@@ -42,6 +42,7 @@ class RequestState:
     fork_at: int | None = None  # n > 1: the first sample runs their common prefix alone, then the rest fork
     unplaced_since: float | None = None  # first time expire_waiting saw it with no worker
     prompt_hashes: dict[bytes, list[bytes]] = field(default_factory=dict)  # extra keys → block hashes
+    uncached: int = 0  # prompt tokens its worker had not cached when it was placed there
     last_reason: str = "stop"
 
     @property

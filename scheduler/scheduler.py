@@ -200,14 +200,19 @@ class Scheduler:
             hashes = rs.prompt_hashes[kv.extra] = kv.hash_tokens(rs.prompt)
         return hashes
 
-    def _placement_key(self, rs: RequestState, ws: WorkerState) -> tuple[int, int, int]:
-        """Estimated tokens to compute before this request's first token there (its uncached prompt plus
-        the worker's queued prefill and one token per running sequence), then the least loaded."""
-        hits = len(ws.kv.find_prefix(self._hashes(rs, ws.kv), len(rs.prompt))) * ws.kv.block_size
-        queued = sum(r.longest for r in ws.waiting) + sum(r.longest for r in ws.preempted)
+    def _uncached(self, rs: RequestState, ws: WorkerState) -> int:
+        hits = ws.kv.find_prefix(self._hashes(rs, ws.kv), len(rs.prompt))
+        return len(rs.prompt) - len(hits) * ws.kv.block_size
+
+    @staticmethod
+    def _placement_key(uncached: int, ws: WorkerState) -> tuple[int, int, int]:
+        """Estimated tokens to compute before a request's first token there (its uncached prompt plus the
+        worker's queued prefill, uncached parts only, and one token per running sequence), then the least
+        loaded."""
+        queued = sum(r.uncached for r in ws.waiting) + sum(r.longest for r in ws.preempted)
         running = sum(s.num_tokens - s.num_computed for r in ws.running for s in r.seqs)
         load = len(ws.waiting) + len(ws.preempted) + ws.num_running_seqs
-        return queued + running + len(rs.prompt) - hits, load, -ws.kv.num_free
+        return queued + running + uncached, load, -ws.kv.num_free
 
     def _settle(self, rs: RequestState, reg: WorkerRegistration) -> bool:
         """Mark the samples whose tokens so far already end them (a restart or a resume rebuilt them);
@@ -235,7 +240,9 @@ class Scheduler:
             largest = max(self.workers, key=lambda wid: self.workers[wid].capacity_tokens)
             self._finish(rs, "error", misfits[largest])
             return
-        ws = fitting[0] if len(fitting) == 1 else min(fitting, key=lambda w: self._placement_key(rs, w))
+        uncached = {ws.reg.worker_id: self._uncached(rs, ws) for ws in fitting}
+        ws = min(fitting, key=lambda w: self._placement_key(uncached[w.reg.worker_id], w))
+        rs.uncached = uncached[ws.reg.worker_id]
         rs.worker_id = ws.reg.worker_id
         rs.unplaced_since = None
         bisect.insort(ws.waiting, rs, key=_ORDER)

@@ -195,10 +195,10 @@ class SchedulerService:
 
     def _settle(self, done: FinishedRequest) -> list[tuple[str, tuple, dict]]:
         key = self.keys.out(done.rid)
-        commands: list[tuple[str, tuple, dict]] = []
-        if done.error is not None:
-            failure = TokenOutput(done.rid, -1, 0, -1, finish_reason="error", error=done.error)
-            commands.append(("xadd", (key, {FIELD: encode(failure)}), {}))
+        # The request-level end: the gateway ends every sample the workers did not finish (an error,
+        # an abort, a request that outgrew the cache) with this reason.
+        end = TokenOutput(done.rid, -1, 0, -1, finish_reason=done.finish_reason, error=done.error)
+        commands: list[tuple[str, tuple, dict]] = [("xadd", (key, {FIELD: encode(end)}), {})]
         commands.append(("pexpire", (key, int(self.settings.out_stream_ttl * 1000)), {}))
         entry_id = self.entry_ids.pop(done.rid, None)
         if entry_id is not None:
@@ -243,8 +243,13 @@ class SchedulerService:
                 await self.client.hdel(self.keys.workers, worker_id)
         for worker_id, reg in live.items():
             if worker_id not in self.core.worker_ids:
+                try:
+                    self.core.add_worker(reg)
+                except ValueError as e:
+                    log.warning("dropped unusable registration of %s: %s", worker_id, e)
+                    await self.client.hdel(self.keys.workers, worker_id)
+                    continue
                 log.info("worker %s joined: %d blocks of %d tokens", worker_id, reg.num_blocks, reg.block_size)
-                self.core.add_worker(reg)
 
     async def _tick(self) -> None:
         owner = await self.client.get(self.keys.scheduler_lease)

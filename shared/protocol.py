@@ -7,10 +7,11 @@ messages are maps without the envelope. Decoding checks the version, the type, e
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import msgpack
 
@@ -110,7 +111,8 @@ class StepPlan:
 class TokenOutput:
     """One sampled token (`out:{rid}` stream, and inside a step result).
 
-    A request-level failure is an entry with `sample_index` -1, `finish_reason` "error" and `error` set.
+    The scheduler ends each request with an entry of `sample_index` -1: `finish_reason` "error" and
+    `error` set for a failure, else the reason that ends every sample the workers did not finish.
     """
     rid: str
     sample_index: int
@@ -155,7 +157,6 @@ class SchedulerStats:
 
 Message = Union[Request, Abort, WorkerRegistration, WorkerGone, StepPlan, StepResult, TokenOutput, SchedulerStats]
 MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(Message)}
-_HINTS: dict[type, dict[str, Any]] = {}
 
 
 def encode(msg: Message) -> bytes:
@@ -163,8 +164,9 @@ def encode(msg: Message) -> bytes:
     if name not in MESSAGE_TYPES:
         raise ProtocolError(f"{name} is not a bus message")
     body = {"v": PROTOCOL_VERSION, "type": name}
-    body.update(_to_plain(msg))
-    return msgpack.packb(body, use_bin_type=True)
+    for field_name in _field_names(type(msg)):
+        body[field_name] = getattr(msg, field_name)
+    return msgpack.packb(body, use_bin_type=True, default=_plain)
 
 
 def decode(data: bytes, expected: type | tuple[type, ...] | None = None) -> Message:
@@ -188,81 +190,156 @@ def decode(data: bytes, expected: type | tuple[type, ...] | None = None) -> Mess
         raise ProtocolError(f"unknown message type {name!r}")
     if expected is not None and not issubclass(cls, expected):
         raise ProtocolError(f"unexpected message type {cls.__name__} here")
-    return _from_plain(cls, body, cls.__name__)
+    try:
+        return _validator(cls)(body)
+    except _Invalid as e:
+        raise ProtocolError(f"{cls.__name__}{''.join(reversed(e.where))}: {e.reason}") from None
 
 
-def _to_plain(obj: Any) -> Any:
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _plain(obj: Any) -> Any:
+    """msgpack's hook for what it cannot pack itself: nested messages become maps."""
     if dataclasses.is_dataclass(obj):
-        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, (list, tuple)):
-        return [_to_plain(x) for x in obj]
-    return obj
+        return {name: getattr(obj, name) for name in _field_names(type(obj))}
+    raise TypeError(f"cannot put {type(obj).__name__} on the bus")
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    if cls not in _HINTS:
-        _HINTS[cls] = typing.get_type_hints(cls)
-    return _HINTS[cls]
+class _Invalid(Exception):
+    """A value that does not fit its field; `where` collects the path innermost first."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        self.where: list[str] = []
 
 
-def _from_plain(cls: type, body: Any, path: str) -> Any:
-    if not isinstance(body, dict):
-        raise ProtocolError(f"{path}: expected a map, got {type(body).__name__}")
-    hints = _hints(cls)
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name in body:
-            kwargs[f.name] = _check(body[f.name], hints[f.name], f"{path}.{f.name}")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ProtocolError(f"{path}: missing field {f.name!r}")
-    obj = cls(**kwargs)
-    if isinstance(obj, SamplingParams):
-        try:
-            obj.validate()
-        except ParamError as e:
-            raise ProtocolError(f"{path}: {e}") from None
-    return obj
-
-
-def _check(value: Any, tp: Any, path: str) -> Any:
+# Validators are built once per type from the dataclass annotations, then run as plain closures:
+# decoding sits on every hop of every step, so it must be cheap.
+@functools.cache
+def _validator(tp: Any) -> Callable[[Any], Any]:
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
-        for option in typing.get_args(tp):
-            if option is type(None):
-                if value is None:
-                    return None
-                continue
-            try:
-                return _check(value, option, path)
-            except ProtocolError:
-                pass
-        raise ProtocolError(f"{path}: {type(value).__name__} is not {tp}")
+        return _union(tp)
     if origin is list:
-        if not isinstance(value, list):
-            raise ProtocolError(f"{path}: expected a list, got {type(value).__name__}")
-        (item,) = typing.get_args(tp)
-        return [_check(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+        return _list(typing.get_args(tp)[0])
     if origin is tuple:
-        items = typing.get_args(tp)
-        if not isinstance(value, (list, tuple)) or len(value) != len(items):
-            raise ProtocolError(f"{path}: expected a list of {len(items)} items")
-        return tuple(_check(v, t, f"{path}[{i}]") for i, (v, t) in enumerate(zip(value, items)))
+        return _tuple(typing.get_args(tp))
     if dataclasses.is_dataclass(tp):
-        return _from_plain(tp, value, path)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ProtocolError(f"{path}: expected a bool, got {type(value).__name__}")
+        return _message(tp)
+    if tp in _SCALARS:
+        return _SCALARS[tp]
+    raise TypeError(f"no rule for {tp}")
+
+
+def _union(tp: Any) -> Callable[[Any], Any]:
+    args = typing.get_args(tp)
+    nullable = type(None) in args
+    options = [_validator(a) for a in args if a is not type(None)]
+
+    def check(value: Any) -> Any:
+        if value is None and nullable:
+            return None
+        for option in options:
+            try:
+                return option(value)
+            except _Invalid:
+                pass
+        raise _Invalid(f"{type(value).__name__} is not {tp}")
+    return check
+
+
+def _list(item_type: Any) -> Callable[[Any], Any]:
+    item = _validator(item_type)
+
+    def check(value: Any) -> Any:
+        if type(value) is not list:
+            raise _Invalid(f"expected a list, got {type(value).__name__}")
+        if item is _int and all(type(v) is int and _INT64[0] <= v <= _INT64[1] for v in value):
+            return value  # token lists: the common case, checked in one pass
+        out = []
+        for i, v in enumerate(value):
+            try:
+                out.append(item(v))
+            except _Invalid as e:
+                e.where.append(f"[{i}]")
+                raise
+        return out
+    return check
+
+
+def _tuple(item_types: tuple[Any, ...]) -> Callable[[Any], Any]:
+    items = [_validator(t) for t in item_types]
+
+    def check(value: Any) -> Any:
+        if type(value) is not list or len(value) != len(items):
+            raise _Invalid(f"expected a list of {len(items)} items")
+        out = []
+        for i, (v, item) in enumerate(zip(value, items)):
+            try:
+                out.append(item(v))
+            except _Invalid as e:
+                e.where.append(f"[{i}]")
+                raise
+        return tuple(out)
+    return check
+
+
+def _message(cls: type) -> Callable[[Any], Any]:
+    hints = typing.get_type_hints(cls)
+    fields = [(f.name, _validator(hints[f.name]),
+               f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+              for f in dataclasses.fields(cls)]
+
+    def check(value: Any) -> Any:
+        if type(value) is not dict:
+            raise _Invalid(f"expected a map, got {type(value).__name__}")
+        kwargs = {}
+        for name, validate, required in fields:
+            if name in value:
+                try:
+                    kwargs[name] = validate(value[name])
+                except _Invalid as e:
+                    e.where.append(f".{name}")
+                    raise
+            elif required:
+                raise _Invalid(f"missing field {name!r}")
+        obj = cls(**kwargs)
+        if cls is SamplingParams:
+            try:
+                obj.validate()
+            except ParamError as e:
+                raise _Invalid(str(e)) from None
+        return obj
+    return check
+
+
+def _int(value: Any) -> int:
+    if type(value) is not int or not _INT64[0] <= value <= _INT64[1]:
+        raise _Invalid(f"expected a 64-bit int, got {type(value).__name__}")
+    return value
+
+
+def _float(value: Any) -> float:
+    if type(value) is float:
         return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int) or not _INT64[0] <= value <= _INT64[1]:
-            raise ProtocolError(f"{path}: expected a 64-bit int, got {type(value).__name__}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ProtocolError(f"{path}: expected a number, got {type(value).__name__}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ProtocolError(f"{path}: expected a string, got {type(value).__name__}")
-        return value
-    raise ProtocolError(f"{path}: no rule for {tp}")
+    if type(value) is not int:
+        raise _Invalid(f"expected a number, got {type(value).__name__}")
+    return float(value)
+
+
+def _str(value: Any) -> str:
+    if type(value) is not str:
+        raise _Invalid(f"expected a string, got {type(value).__name__}")
+    return value
+
+
+def _bool(value: Any) -> bool:
+    if type(value) is not bool:
+        raise _Invalid(f"expected a bool, got {type(value).__name__}")
+    return value
+
+
+_SCALARS: dict[type, Callable[[Any], Any]] = {int: _int, float: _float, str: _str, bool: _bool}

@@ -99,8 +99,7 @@ def test_tracker_dedupes_interleaves_samples_and_applies_stop_strings(tok):
     entries = [e for i in range(max(len(a), len(b))) for e in (stream_a[i:i + 1] + stream_b[i:i + 1])]
     texts = ["", ""]
     for entry in entries + entries:  # every entry twice, as a resumed request may repeat them
-        delta = tracker.apply(entry)
-        if delta is not None:
+        for delta in tracker.apply(entry):
             texts[delta.sample_index] += delta.text
     assert texts == ["one two three", "東京 🚀 "]
     assert [s.finish_reason for s in tracker.samples] == ["length", "stop"]
@@ -112,12 +111,24 @@ def test_tracker_dedupes_interleaves_samples_and_applies_stop_strings(tok):
 def test_tracker_leaves_out_the_text_of_a_stop_token_and_ends_on_a_request_error(tok):
     ids = tok.hf("hi there</s>", add_special_tokens=False)["input_ids"]
     tracker = RequestTracker("r", 1, [], tok.decode, [])
-    text = "".join(d.text for e in outputs("r", 0, ids, finish="stop") if (d := tracker.apply(e)))
+    text = "".join(d.text for e in outputs("r", 0, ids, finish="stop") for d in tracker.apply(e))
     assert text == "hi there" and not tracker.needs_abort
     failing = RequestTracker("q", 1, [], tok.decode, [])
-    assert failing.apply(TokenOutput("q", -1, 0, 0, finish_reason="error", error="too long")) is None
+    assert failing.apply(TokenOutput("q", -1, 0, 0, finish_reason="error", error="too long")) == []
     assert failing.finished and failing.error == "too long" and not failing.needs_abort
-    assert failing.apply(TokenOutput("other", 0, 0, 5)) is None
+    assert failing.apply(TokenOutput("other", 0, 0, 5)) == []
+
+
+def test_tracker_ends_running_samples_when_the_scheduler_ends_the_request(tok):
+    ids = tok.hf("one two", add_special_tokens=False)["input_ids"]
+    tracker = RequestTracker("r", 2, [], tok.decode, [])
+    for e in outputs("r", 0, ids, finish="stop"):
+        tracker.apply(e)
+    tracker.apply(outputs("r", 1, ids)[0])
+    deltas = tracker.apply(TokenOutput("r", -1, 0, -1, finish_reason="length"))
+    assert [(d.sample_index, d.finish_reason) for d in deltas] == [(1, "length")]
+    assert [s.finish_reason for s in tracker.samples] == ["stop", "length"]
+    assert tracker.finished and tracker.error is None and not tracker.needs_abort
 
 
 def test_sse_event_is_one_data_line_of_json():

@@ -191,17 +191,9 @@ def test_benchmark_against_the_static_batching_baseline(tiny_model_dir, tmp_path
     assert "| smoke |" in (tmp_path / "plots" / "summary.md").read_text()
 
 
-def _pagedserve_up_exists() -> bool:
-    probe = subprocess.run([sys.executable, "-m", "pagedserve", "up", "--help"], cwd=ROOT, capture_output=True,
-                           timeout=120)
-    return probe.returncode == 0
-
-
 @pytest.mark.slow
 @pytest.mark.redis
 def test_benchmark_against_the_live_stack(tiny_model_dir, tmp_path, capsys):
-    if not _pagedserve_up_exists():
-        pytest.skip("`pagedserve up` does not exist yet (pagedserve/launcher.py); remove this skip when it lands")
     server = ServerProcess([sys.executable, "-m", "pagedserve", "up", "--model", str(tiny_model_dir),
                             "--workers", "1", "--port", str(_free_port())])
     try:
