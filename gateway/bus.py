@@ -6,7 +6,7 @@ import logging
 from typing import AsyncIterator
 
 from shared.bus import BLOCK_MS, RECONNECT_ERRORS, Backoff, connect_async, decode_entry
-from shared.keys import FIELD, Keys
+from shared.keys import CONTROL_MAXLEN, FIELD, Keys
 from shared.protocol import Abort, ProtocolError, Request, SchedulerStats, TokenOutput, decode, encode
 
 log = logging.getLogger(__name__)
@@ -24,7 +24,7 @@ class Bus:
         await self.reader.aclose()
 
     async def submit(self, requests: list[Request]) -> None:
-        async with self.client.pipeline(transaction=False) as pipe:
+        async with self.client.pipeline(transaction=True) as pipe:  # all of a call's prompts or none
             for req in requests:
                 pipe.xadd(self.keys.requests, {FIELD: encode(req)})
             await pipe.execute()
@@ -32,7 +32,8 @@ class Bus:
     async def abort(self, rids: list[str], reason: str) -> None:
         async with self.client.pipeline(transaction=False) as pipe:
             for rid in rids:
-                pipe.xadd(self.keys.control, {FIELD: encode(Abort(rid, reason))})
+                pipe.xadd(self.keys.control, {FIELD: encode(Abort(rid, reason))}, maxlen=CONTROL_MAXLEN,
+                          approximate=True)
             await pipe.execute()
 
     async def outputs(self, rid: str) -> AsyncIterator[TokenOutput]:

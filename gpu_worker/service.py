@@ -7,21 +7,22 @@ result in one MULTI/EXEC round trip, so the scheduler's view and the clients' st
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
 import socket
 import threading
 import time
+import uuid
 
 from shared.bus import BLOCK_MS, RECONNECT_ERRORS, Backoff, connect, decode_entry
-from shared.keys import FIELD, Keys
+from shared.keys import CONTROL_MAXLEN, FIELD, RESULTS_MAXLEN, Keys
 from shared.log import setup_logging
 from shared.protocol import StepPlan, StepResult, WorkerGone, encode
 from shared.settings import Settings
 
 log = logging.getLogger("gpu_worker")
-RESULT_STREAM_MAXLEN = 10_000
 EXPIRY_REFRESH_TOKENS = 64
 
 
@@ -29,7 +30,8 @@ class WorkerService:
     def __init__(self, settings: Settings, worker, keys: Keys | None = None) -> None:
         self.settings = settings
         self.worker = worker
-        self.worker_id: str = worker.registration.worker_id
+        self.registration = dataclasses.replace(worker.registration, instance=uuid.uuid4().hex)
+        self.worker_id: str = self.registration.worker_id
         self.keys = keys or Keys()
         self.client = connect(settings.redis_url)
         self.reader = connect(settings.redis_url, blocking=True)
@@ -45,7 +47,7 @@ class WorkerService:
         # A fresh plan stream: plans meant for an earlier process with this id must not run here.
         pipe = self.client.pipeline(transaction=True)
         pipe.delete(self.keys.plans(self.worker_id))
-        pipe.hset(self.keys.workers, self.worker_id, encode(self.worker.registration))
+        pipe.hset(self.keys.workers, self.worker_id, encode(self.registration))
         pipe.set(self.keys.heartbeat(self.worker_id), 1, px=self._ttl_ms)
         pipe.execute()
 
@@ -54,14 +56,15 @@ class WorkerService:
             pipe = self.client.pipeline(transaction=True)
             pipe.hdel(self.keys.workers, self.worker_id)
             pipe.delete(self.keys.heartbeat(self.worker_id))
-            pipe.xadd(self.keys.control, {FIELD: encode(WorkerGone(self.worker_id))})
+            pipe.xadd(self.keys.control, {FIELD: encode(WorkerGone(self.worker_id))}, maxlen=CONTROL_MAXLEN,
+                      approximate=True)
             pipe.execute()
         except RECONNECT_ERRORS as e:
             log.warning("could not deregister (Redis unreachable: %s); the heartbeat will expire", e)
 
     def _heartbeat_loop(self) -> None:
         client = connect(self.settings.redis_url)
-        registration = encode(self.worker.registration)
+        registration = encode(self.registration)
         while not self.stop_event.wait(self.settings.heartbeat_ttl / 4):
             try:
                 pipe = client.pipeline(transaction=True)
@@ -83,8 +86,7 @@ class WorkerService:
         heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         heartbeat.start()
         log.info("worker %s ready: %d KV blocks of %d tokens, %d swap blocks", self.worker_id,
-                 self.worker.registration.num_blocks, self.worker.registration.block_size,
-                 self.worker.registration.num_swap_blocks)
+                 self.registration.num_blocks, self.registration.block_size, self.registration.num_swap_blocks)
         stream = self.keys.plans(self.worker_id)
         last_id = "0-0"
         try:
@@ -134,7 +136,7 @@ class WorkerService:
                     pipe.xadd(key, {FIELD: encode(out)})
                     if out.output_index % EXPIRY_REFRESH_TOKENS == 0:  # abandoned streams expire
                         pipe.pexpire(key, keep_ms)
-                pipe.xadd(self.keys.results, {FIELD: encode(result)}, maxlen=RESULT_STREAM_MAXLEN, approximate=True)
+                pipe.xadd(self.keys.results, {FIELD: encode(result)}, maxlen=RESULTS_MAXLEN, approximate=True)
                 pipe.set(self.keys.heartbeat(self.worker_id), 1, px=self._ttl_ms)
                 pipe.execute()
                 return

@@ -51,7 +51,7 @@ class WorkerState:
     running: list[RequestState] = field(default_factory=list)  # arrival order
     finished_seqs: list[int] = field(default_factory=list)  # for the next plan's `finished`
     in_flight: list[Scheduled] | None = None
-    next_step: int = 0
+    in_flight_step: int = -1
 
     @property
     def num_running_seqs(self) -> int:
@@ -83,6 +83,8 @@ class Scheduler:
         self.num_preemptions = 0
         self._order = itertools.count()
         self._seq_ids = itertools.count()
+        # One counter for every worker: a worker dropped and added again never sees a step id twice.
+        self._step_ids = itertools.count()
 
     @property
     def worker_ids(self) -> list[str]:
@@ -252,7 +254,7 @@ class Scheduler:
         ws = self.workers.get(worker_id)
         if ws is None or ws.in_flight is not None:
             return None
-        step = StepBuilder(StepPlan(worker_id, self.epoch, ws.next_step),
+        step = StepBuilder(StepPlan(worker_id, self.epoch, next(self._step_ids)),
                            self.settings.max_num_batched_tokens, self.settings.max_num_seqs)
         for rs in list(ws.running):
             if step.budget == 0 or step.seqs_left == 0:
@@ -267,7 +269,7 @@ class Scheduler:
         if not (step.entries or plan.swap_out or plan.swap_in or plan.copies):
             return None
         plan.finished, ws.finished_seqs = ws.finished_seqs, []
-        ws.next_step += 1
+        ws.in_flight_step = plan.step_id
         ws.in_flight = step.entries
         return plan
 
@@ -448,7 +450,7 @@ class Scheduler:
     def apply_result(self, result: StepResult) -> None:
         ws = self.workers.get(result.worker_id)
         if (ws is None or ws.in_flight is None or result.epoch != self.epoch
-                or result.step_id != ws.next_step - 1):
+                or result.step_id != ws.in_flight_step):
             return
         entries, ws.in_flight = ws.in_flight, None
         if result.error is not None:

@@ -20,7 +20,7 @@ import redis
 
 from scheduler.scheduler import FinishedRequest, Scheduler
 from shared.bus import BLOCK_MS, RECONNECT_ERRORS, Backoff, connect_async, decode_entry
-from shared.keys import FIELD, Keys
+from shared.keys import FIELD, PLANS_MAXLEN, Keys
 from shared.log import setup_logging
 from shared.protocol import (
     Abort, ProtocolError, Request, StepResult, TokenOutput, WorkerGone, WorkerRegistration, decode, encode,
@@ -28,8 +28,16 @@ from shared.protocol import (
 from shared.settings import Settings
 
 log = logging.getLogger("scheduler")
-PLAN_STREAM_MAXLEN = 1000
 TICK_S = 0.25
+# Renew the lease only while we still hold it (a plain SET could steal it back from a successor).
+_RENEW_LEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+elseif redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return 1
+end
+return false
+"""
 
 
 class SchedulerService:
@@ -40,8 +48,12 @@ class SchedulerService:
         self.client = connect_async(settings.redis_url)
         self.core: Scheduler | None = None
         self.entry_ids: dict[str, bytes] = {}  # rid → its entry in the requests stream, acked at the end
+        self.registrations: dict[str, WorkerRegistration] = {}  # as the core has them
+        self.early_aborts: dict[str, float] = {}  # rid → when its abort came, for requests not seen yet
+        self.reread_pending = False
         self.stop_event = asyncio.Event()
         self.pump_lock = asyncio.Lock()
+        self.failed = False
 
     # ---- start-up -------------------------------------------------------------------------
     async def _acquire_lease(self) -> None:
@@ -66,11 +78,8 @@ class SchedulerService:
         await self._acquire_lease()
         epoch = int(await self.client.incr(self.keys.epoch))
         self.core = Scheduler(self.settings, epoch)
-        try:
-            await self.client.xgroup_create(self.keys.requests, self.keys.scheduler_group, id="0", mkstream=True)
-        except redis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
+        self.registrations = {}
+        await self._create_group()
         await self._sync_workers()
         await self._recover_pending()
         log.info("scheduler %s ready (epoch %d, %d workers, %d resumed requests)", self.name, epoch,
@@ -121,7 +130,8 @@ class SchedulerService:
 
     # ---- readers --------------------------------------------------------------------------
     async def _read_forever(self, name: str, read) -> None:
-        """Run one blocking reader; reconnect with backoff when Redis goes away."""
+        """Run one blocking reader; reconnect with backoff when Redis goes away. Anything else ends the
+        task, and with it the service (see run): a deaf scheduler must not look alive."""
         backoff = Backoff()
         while not self.stop_event.is_set():
             try:
@@ -129,23 +139,46 @@ class SchedulerService:
                 backoff.reset()
             except RECONNECT_ERRORS as e:
                 log.warning("%s reader lost Redis, reconnecting: %s", name, e)
+                self.reread_pending = True
                 await asyncio.sleep(backoff.next())
+            except redis.ResponseError as e:
+                if "NOGROUP" not in str(e) and "UNBLOCKED" not in str(e):  # the stream or its group vanished
+                    raise
+                log.warning("the requests consumer group is gone (Redis lost its data?); creating it again")
+                await self._create_group()
+
+    async def _create_group(self) -> None:
+        try:
+            await self.client.xgroup_create(self.keys.requests, self.keys.scheduler_group, id="0", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
 
     async def _last_id(self, stream: str) -> bytes | str:
         newest = await self.client.xrevrange(stream, count=1)
         return newest[0][0] if newest else "0-0"
 
     async def _read_requests(self, reader) -> None:
-        reply = await reader.xreadgroup(self.keys.scheduler_group, self.name, {self.keys.requests: ">"},
+        # After a reconnect, first re-read this consumer's pending entries: a reply lost on the way
+        # leaves delivered entries that ">" never hands out again.
+        cursor = "0" if self.reread_pending else ">"
+        reply = await reader.xreadgroup(self.keys.scheduler_group, self.name, {self.keys.requests: cursor},
                                         count=256, block=BLOCK_MS)
+        if cursor == "0":
+            self.reread_pending = False
         for _, entries in reply or []:
             for entry_id, fields in entries:
                 req = decode_entry(self.keys.requests, entry_id, fields, Request)
-                if req is None or req.rid in self.entry_ids:
-                    await self._drop(entry_id)
+                known = self.entry_ids.get(req.rid) if req is not None else None
+                if known == entry_id:
+                    continue
+                if req is None or known is not None:
+                    await self._drop(entry_id)  # malformed, or a second request with a live rid
                     continue
                 self.entry_ids[req.rid] = entry_id
                 self.core.add_request(req)
+                if self.early_aborts.pop(req.rid, None) is not None:
+                    self.core.abort(req.rid)
         if reply:
             await self.pump()
 
@@ -168,10 +201,14 @@ class SchedulerService:
 
     def _on_control(self, msg: Abort | WorkerGone) -> None:
         if isinstance(msg, Abort):
-            self.core.abort(msg.rid, msg.reason)
+            if msg.rid in self.entry_ids:
+                self.core.abort(msg.rid, msg.reason)
+            else:  # the abort overtook its request (they travel on different streams)
+                self.early_aborts[msg.rid] = time.time()
         elif msg.worker_id in self.core.worker_ids:
             log.info("worker %s left; moving its requests", msg.worker_id)
             self.core.remove_worker(msg.worker_id)
+            self.registrations.pop(msg.worker_id, None)
 
     def _on_result(self, msg: StepResult) -> None:
         if msg.error:
@@ -187,7 +224,7 @@ class SchedulerService:
                 plan = self.core.schedule(worker_id)
                 if plan is not None:
                     commands.append(("xadd", (self.keys.plans(worker_id), {FIELD: encode(plan)}),
-                                     {"maxlen": PLAN_STREAM_MAXLEN, "approximate": True}))
+                                     {"maxlen": PLANS_MAXLEN, "approximate": True}))
             for done in self.core.pop_finished():
                 commands.extend(self._settle(done))
             if commands:
@@ -240,26 +277,30 @@ class SchedulerService:
             if worker_id not in live:
                 log.warning("worker %s is gone (heartbeat expired); resuming its requests elsewhere", worker_id)
                 self.core.remove_worker(worker_id)
+                self.registrations.pop(worker_id, None)
                 await self.client.hdel(self.keys.workers, worker_id)
         for worker_id, reg in live.items():
-            if worker_id not in self.core.worker_ids:
+            if self.registrations.get(worker_id) != reg:  # new, or restarted under the same id
                 try:
                     self.core.add_worker(reg)
                 except ValueError as e:
                     log.warning("dropped unusable registration of %s: %s", worker_id, e)
                     await self.client.hdel(self.keys.workers, worker_id)
                     continue
+                self.registrations[worker_id] = reg
                 log.info("worker %s joined: %d blocks of %d tokens", worker_id, reg.num_blocks, reg.block_size)
 
     async def _tick(self) -> None:
-        owner = await self.client.get(self.keys.scheduler_lease)
-        if owner not in (self.name.encode(), None):
-            log.error("lease taken by %s; stopping", owner)
+        if not await self.client.eval(_RENEW_LEASE, 1, self.keys.scheduler_lease, self.name, self._lease_ms):
+            log.error("another scheduler took the lease; stopping")
+            self.failed = True
             self.stop_event.set()
             return
-        await self.client.set(self.keys.scheduler_lease, self.name, px=self._lease_ms)
         await self._sync_workers()
         now = time.time()
+        for rid, seen in list(self.early_aborts.items()):
+            if now - seen > self.settings.request_timeout:
+                del self.early_aborts[rid]
         self.core.expire_waiting(now, self.settings.request_timeout)
         await self.client.set(self.keys.stats, encode(self.core.stats(now)))
         await self.pump()
@@ -289,10 +330,15 @@ class SchedulerService:
             asyncio.create_task(self._read_forever("results", read_results)),
             asyncio.create_task(self._read_forever("housekeeping", self._housekeeping)),
         ]
-        await self.stop_event.wait()
-        for task in tasks:
+        stop = asyncio.create_task(self.stop_event.wait())
+        done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            if task is not stop and task.exception() is not None:
+                log.error("scheduler loop failed; exiting so a supervisor restarts it", exc_info=task.exception())
+                self.failed = True
+        for task in (stop, *tasks):
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(stop, *tasks, return_exceptions=True)
         try:
             if await self.client.get(self.keys.scheduler_lease) == self.name.encode():
                 await self.client.delete(self.keys.scheduler_lease)
@@ -306,11 +352,13 @@ def main(argv: list[str] | None = None) -> None:
     settings = Settings.from_args(parser.parse_args(argv))
     setup_logging("scheduler", settings.log_level)
 
-    async def serve() -> None:
+    async def serve() -> bool:
         service = SchedulerService(settings)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, service.stop_event.set)
         await service.run()
+        return service.failed
 
-    asyncio.run(serve())
+    if asyncio.run(serve()):
+        raise SystemExit(1)

@@ -4,6 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FIELD = "m"  # each stream entry holds one msgpack payload under this field
+# Approximate caps of the shared streams (requests is never trimmed: entries leave when acknowledged).
+CONTROL_MAXLEN = 10_000
+RESULTS_MAXLEN = 10_000
+PLANS_MAXLEN = 1_000
 
 
 @dataclass(frozen=True, slots=True)

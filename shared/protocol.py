@@ -53,6 +53,7 @@ class WorkerRegistration:
     block_size: int
     max_model_len: int
     eos_token_ids: list[int]
+    instance: str = ""  # one per worker process: a restart under the same id registers anew
 
 
 @dataclass(slots=True)

@@ -175,3 +175,24 @@ def test_worker_sigterm_deregisters(redis_url, stack_factory):
     rid = client.submit(prompts(1, seed=8)[0], GREEDY)
     client.wait([rid], stack=stack)
     assert len(client.output(rid)) == GREEDY.max_tokens
+
+
+def test_worker_restarted_under_the_same_id(redis_url, stack_factory, reference):
+    stack, client = stack_factory(redis_url)
+    batch = prompts(16, seed=9)
+
+    def restart_w1() -> None:  # quicker than the heartbeat TTL: only the new registration tells
+        stack.kill("w1")
+        stack.start_worker("w1")
+    assert _stream_with_fault(client, stack, batch, restart_w1) == reference(batch)
+
+
+def test_redis_data_loss_recreates_the_consumer_group(redis_url, stack_factory, reference):
+    stack, client = stack_factory(redis_url)
+    client.redis.flushall()
+    batch = prompts(4, seed=10)
+    client.wait_for(lambda: len(client.live_workers()) == 2, "workers to register again", stack=stack)
+    rids = [client.submit(p, GREEDY) for p in batch]
+    client.wait(rids, stack=stack)
+    assert [client.output(r) for r in rids] == reference(batch)
+    assert "creating it again" in stack.log("scheduler")
