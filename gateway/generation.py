@@ -1,8 +1,9 @@
 """One bus request seen from the gateway: TokenOutputs in, text deltas out (sans-IO).
 
 Applies the bus contract: entries are deduplicated by (sample_index, output_index), since a request
-resumed after a failure may repeat indices; a sample ends at the entry carrying its finish reason; an
-entry with sample_index -1 and finish reason "error" ends the whole request. Text is detokenized
+resumed after a failure may repeat indices; a sample ends at the entry carrying its finish reason; the
+scheduler's entry with sample_index -1 ends the whole request: with its error (finish reason "error"),
+or by ending every sample still running with its finish reason. Text is detokenized
 incrementally and checked for stop strings; a sample that hits one is finished here, and the request
 must then be aborted on the bus (`needs_abort`) so the scheduler frees its blocks.
 """

@@ -25,7 +25,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.model_dir import ModelDirError, default_model_dir, resolve_model_dir
+from shared.model_dir import ModelDirError, default_model_dir, resolve_model_dir, served_model_name
 from shared.settings import ENV_PREFIX, Settings
 
 POLL_S = 0.2
@@ -259,6 +259,9 @@ def _run(stack: Stack, workers: int, redis_port: int) -> int:
         if not ready and _healthy(local):
             ready = True
             print(f"ready: {public}", flush=True)
+            name = served_model_name(resolve_model_dir(settings.model), settings.served_model_name)
+            say(f"try: curl -s {public}/v1/completions -H 'Content-Type: application/json' "
+                f"-d '{{\"model\": \"{name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'")
         time.sleep(POLL_S)
     say("stopping")
     return 0
