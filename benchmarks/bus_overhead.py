@@ -96,9 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
 
     from pagedserve.bus_client import BusClient
-    from pagedserve.launcher import Stack, ensure_model, free_port
+    from pagedserve.launcher import Stack, ensure_model
 
-    settings = ensure_model(Settings(model=args.model, port=free_port(), log_level="warning"))
+    settings = ensure_model(Settings(model=args.model, log_level="warning"))
     stack = Stack(settings)
     url = stack.start_redis(0)
     if url is None:
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     stack.settings = settings.replace(redis_url=url)
     rows = []
     try:
-        stack.start_services(1)
+        stack.start_services(1, gateway=False)
         client = BusClient(url)
         client.wait_for(lambda: (s := client.stats()) is not None and len(s.workers) == 1, "the worker", 120)
         for level in levels:

@@ -132,7 +132,7 @@ class Stack:
         say(f"started redis-server (pid {self.redis.pid}) on port {port}, AOF in {self.redis_dir}")
         return url
 
-    def start_services(self, workers: int) -> None:
+    def start_services(self, workers: int, gateway: bool = True) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1", **settings_env(self.settings))
         python = sys.executable
         self._spawn("scheduler", [python, "-m", "scheduler"], env)
@@ -140,7 +140,8 @@ class Stack:
             worker_id = f"worker-{i}"
             self._spawn(worker_id, [python, "-m", "gpu_worker"], env | {ENV_PREFIX + "WORKER_ID": worker_id},
                         is_worker=True)
-        self._spawn("gateway", [python, "-m", "gateway"], env)
+        if gateway:
+            self._spawn("gateway", [python, "-m", "gateway"], env)
 
     def check_children(self) -> Child | None:
         """The first child that died, or None; a worker that exited cleanly is let go."""
