@@ -3,14 +3,17 @@
 What the vLLM paper compares against when it says "static batching": one batch at a time. When the model
 is idle the server takes what is waiting (up to --max-batch-size requests, first come first served),
 left-pads the prompts, and runs `generate` until the longest requested output is done; requests arriving
-meanwhile wait for the next batch. No KV paging, no joining a running batch.
+meanwhile wait for the next batch. No KV paging, no joining a running batch. With --kv-budget-tokens the
+batch is also capped by memory, as a serving system's KV cache is: transformers' cache holds every row to
+the padded width plus the longest output, so a batch of k requests takes k * (longest prompt + longest
+max_tokens) token slots, and the batch stops growing (first come, first served) before that passes the budget.
 
 Streaming is accepted but nothing is sent before the batch ends: then every token of the request goes
 out at once, so a client measures time to first token = queueing + the whole batch, and inter-token
 gaps near zero. Decoding is greedy; `ignore_eos` requests run with min_new_tokens = max_new_tokens so
 their lengths hold (a batch never mixes ignore_eos and normal requests).
 
-    python -m benchmarks.hf_static_server --model DIR --port 8100 --max-batch-size 16
+    python -m benchmarks.hf_static_server --model DIR --port 8100 --max-batch-size 16 [--kv-budget-tokens 2048]
 
 Prints `ready: http://HOST:PORT` once it listens; SIGTERM or Ctrl-C stops it.
 """
@@ -118,6 +121,26 @@ class StaticBatchGenerator:
         return deltas
 
 
+def take_static_batch(waiting: list[PendingRequest], max_batch_size: int,
+                      kv_budget_tokens: int) -> list[PendingRequest]:
+    """The head of the queue and the next waiting requests of its ignore_eos kind, first come first served,
+    while the padded batch fits: at most max_batch_size rows and, if kv_budget_tokens > 0, rows * (longest
+    prompt + longest max_tokens) <= kv_budget_tokens. The head always goes (alone if it must)."""
+    head = waiting[0]
+    batch: list[PendingRequest] = []
+    width = steps = 0
+    for r in waiting:
+        if r.ignore_eos != head.ignore_eos:
+            continue
+        w, s = max(width, len(r.prompt_ids)), max(steps, r.max_tokens)
+        over_budget = kv_budget_tokens and (len(batch) + 1) * (w + s) > kv_budget_tokens
+        if len(batch) == max_batch_size or (batch and over_budget):
+            break
+        batch.append(r)
+        width, steps = w, s
+    return batch
+
+
 @dataclass(slots=True)
 class ParsedRequest:
     prompt_ids: list[int]
@@ -175,19 +198,19 @@ def _error(status: int, message: str, param: str | None = None) -> web.Response:
 class StaticBatchServer:
     """The HTTP front and the batch loop; generation runs in a thread so the loop keeps accepting requests."""
 
-    def __init__(self, gen: StaticBatchGenerator, model_name: str, max_batch_size: int) -> None:
+    def __init__(self, gen: StaticBatchGenerator, model_name: str, max_batch_size: int,
+                 kv_budget_tokens: int = 0) -> None:
         self.gen = gen
         self.model_name = model_name
         self.max_batch_size = max_batch_size
+        self.kv_budget_tokens = kv_budget_tokens
         self.waiting: collections.deque[PendingRequest] = collections.deque()
         self.wakeup = asyncio.Event()
         self.running = 0
         self.batches = 0
 
     def take_batch(self) -> list[PendingRequest]:
-        """The head of the queue and the next waiting requests of the same ignore_eos kind (FCFS)."""
-        head = self.waiting[0]
-        batch = [r for r in self.waiting if r.ignore_eos == head.ignore_eos][:self.max_batch_size]
+        batch = take_static_batch(list(self.waiting), self.max_batch_size, self.kv_budget_tokens)
         taken = {id(r) for r in batch}
         self.waiting = collections.deque(r for r in self.waiting if id(r) not in taken)
         return batch
@@ -278,7 +301,8 @@ class StaticBatchServer:
 
 async def serve(args: argparse.Namespace) -> None:
     gen = StaticBatchGenerator(args.model, args.device, args.dtype)
-    server = StaticBatchServer(gen, served_model_name(args.model, args.served_model_name), args.max_batch_size)
+    server = StaticBatchServer(gen, served_model_name(args.model, args.served_model_name), args.max_batch_size,
+                               args.kv_budget_tokens)
     runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
@@ -301,12 +325,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--max-batch-size", type=int, default=16)
+    p.add_argument("--kv-budget-tokens", type=int, default=0,
+                   help="KV token slots a batch may take: rows * (longest prompt + longest max_tokens); 0 = no cap")
     p.add_argument("--device", default="cpu", help="cpu, or cuda for the GPU variant")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     args = p.parse_args(argv)
     if args.max_batch_size < 1:
         p.error("--max-batch-size must be at least 1")
+    if args.kv_budget_tokens < 0:
+        p.error("--kv-budget-tokens must be 0 (no cap) or more")
     if args.threads:
         import torch
 

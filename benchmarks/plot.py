@@ -3,10 +3,11 @@
     python -m benchmarks.plot benchmarks/results/*.json --out-dir benchmarks/results --baseline hf-static
 
 Writes normalized_latency.png (the vLLM paper's Figure 12 layout: normalized latency against request rate,
-one panel per dataset, one line per system), throughput.png (the best output throughput of each system),
+one panel per dataset, one line per system, on a log axis), throughput.png (the best output throughput of
+each system),
 kv_usage.png (KV cache usage over time, where the endpoint exported it) and summary.md, which it also
-prints: per system the highest request rate served at a normalized latency within twice the baseline's
-minimum, and its ratio to the baseline's.
+prints: per system the request rate it sustains at twice the baseline's minimum normalized latency
+(interpolated where its latency crosses that threshold), and its ratio to the baseline's.
 """
 from __future__ import annotations
 
@@ -57,19 +58,33 @@ def by_dataset(reports: list[Report]) -> dict[str, list[Report]]:
     return dict(sorted(groups.items()))
 
 
-def plot_normalized_latency(groups: dict[str, list[Report]], out: Path, max_latency: float | None) -> None:
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 3.6), squeeze=False)
+def system_colors(groups: dict[str, list[Report]]) -> dict[str, str]:
+    """One color per system, the same in every plot."""
+    systems = dict.fromkeys(r.system for reports in groups.values() for r in reports)
+    return {system: f"C{i % 10}" for i, system in enumerate(systems)}
+
+
+def plot_normalized_latency(groups: dict[str, list[Report]], out: Path, max_latency: float | None,
+                            baseline: str) -> None:
+    """Log latency axis: the systems' knees lie a decade or more apart. A dashed line marks the targets'
+    threshold (twice the baseline's minimum) in the panels that have the baseline."""
+    colors = system_colors(groups)
+    fig, axes = plt.subplots(1, len(groups), figsize=(5.2 * len(groups), 3.8), squeeze=False)
     for ax, (dataset, reports) in zip(axes[0], groups.items()):
         for r in reports:
             pts = [p for p in r.rated_points() if p["normalized_latency_s_per_token"] is not None]
             ax.plot([p["request_rate"] for p in pts], [p["normalized_latency_s_per_token"] for p in pts],
-                    marker="o", label=r.system)
+                    marker="o", label=r.system, color=colors[r.system])
+        base_min = next((min_norm(r) for r in reports if r.system == baseline), None)
+        if base_min is not None:
+            ax.axhline(2 * base_min, color="gray", linestyle="--", linewidth=1, label=f"2 × {baseline} min")
         ax.set_title(dataset)
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel("normalized latency (s/token)")
+        ax.set_yscale("log")
         if max_latency is not None:
-            ax.set_ylim(0, max_latency)
-        ax.grid(alpha=0.3)
+            ax.set_ylim(top=max_latency)
+        ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
@@ -77,22 +92,18 @@ def plot_normalized_latency(groups: dict[str, list[Report]], out: Path, max_late
 
 
 def plot_throughput(groups: dict[str, list[Report]], out: Path) -> None:
-    systems = list(dict.fromkeys(r.system for reports in groups.values() for r in reports))
-    width = 0.8 / max(1, len(systems))
-    fig, ax = plt.subplots(figsize=(max(4.5, 2.2 * len(groups) * max(1, len(systems)) / 2), 3.6))
-    for i, system in enumerate(systems):
-        xs, heights = [], []
-        for g, reports in enumerate(groups.values()):
-            best = [p["output_throughput"] for r in reports if r.system == system for p in r.points]
-            if best:
-                xs.append(g + (i - (len(systems) - 1) / 2) * width)
-                heights.append(max(best))
-        bars = ax.bar(xs, heights, width, label=system)
-        ax.bar_label(bars, fmt="%.0f", fontsize=7)
-    ax.set_xticks(range(len(groups)), list(groups))
-    ax.set_ylabel("best output throughput (tokens/s)")
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
+    """The best output throughput of each system, one panel per dataset (each with its own systems)."""
+    colors = system_colors(groups)
+    fig, axes = plt.subplots(1, len(groups), figsize=(sum(1.2 + 0.9 * len(r) for r in groups.values()), 3.6),
+                             squeeze=False, width_ratios=[len(r) for r in groups.values()])
+    for ax, (dataset, reports) in zip(axes[0], groups.items()):
+        best = [max((p["output_throughput"] for p in r.points), default=0.0) for r in reports]
+        bars = ax.bar(range(len(reports)), best, 0.7, color=[colors[r.system] for r in reports])
+        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+        ax.set_xticks(range(len(reports)), [r.system for r in reports], rotation=20, ha="right", fontsize=8)
+        ax.set_title(dataset)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].set_ylabel("best output throughput (tokens/s)")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
@@ -102,7 +113,7 @@ def _rate(point: dict[str, Any]) -> float:
     return math.inf if point["request_rate"] == "inf" else float(point["request_rate"])
 
 
-def _fmt(value: float | None, spec: str) -> str:
+def fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
@@ -120,14 +131,16 @@ def plot_kv_usage(groups: dict[str, list[Report]], out: Path, pattern: re.Patter
     panels = {d: rows for d, rows in panels.items() if rows}
     if not panels:
         return False
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
+    colors = system_colors(groups)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.8), squeeze=False)
     for ax, (dataset, rows) in zip(axes[0], panels.items()):
         for report, point in rows:
             series = sorted({n for s in point["metrics"] for n in s["values"] if pattern.search(n)})
-            for name in series:
+            for i, name in enumerate(series):
                 ts = [(s["t"], s["values"][name]) for s in point["metrics"] if name in s["values"]]
                 label = report.system if len(series) == 1 else f"{report.system} {name[name.find('{'):]}"
-                ax.plot([t for t, _ in ts], [v for _, v in ts], label=f"{label} @ {point['request_rate']} req/s")
+                ax.plot([t for t, _ in ts], [v for _, v in ts], label=f"{label} @ {point['request_rate']} req/s",
+                        color=colors[report.system], linestyle=("-", "--", ":", "-.")[i % 4])
         ax.set_title(dataset)
         ax.set_xlabel("time since the first request (s)")
         ax.set_ylabel("KV cache usage" if pattern.pattern == DEFAULT_KV_PATTERN else pattern.pattern)
@@ -139,43 +152,54 @@ def plot_kv_usage(groups: dict[str, list[Report]], out: Path, pattern: re.Patter
     return True
 
 
-def _min_norm(report: Report) -> float | None:
+def min_norm(report: Report) -> float | None:
     values = [p["normalized_latency_s_per_token"] for p in report.rated_points()
               if p["normalized_latency_s_per_token"] is not None]
     return min(values, default=None)
 
 
 def sustained_rate(report: Report, threshold: float) -> float | None:
-    """The highest achieved request throughput among points whose normalized latency stays within threshold."""
-    ok = [p["request_throughput"] for p in report.rated_points()
-          if p["normalized_latency_s_per_token"] is not None and p["normalized_latency_s_per_token"] <= threshold]
-    return max(ok, default=None)
+    """The request throughput a system sustains at `threshold` normalized latency. Walking up the sweep, the
+    achieved throughput where the latency first crosses the threshold, interpolated linearly between the last
+    point within and the first beyond; the last point's if none is beyond; None if the first is beyond."""
+    last: tuple[float, float] | None = None
+    for p in report.rated_points():
+        norm = p["normalized_latency_s_per_token"]
+        if norm is None:
+            continue
+        if norm > threshold:
+            if last is None:
+                return None
+            x0, y0 = last
+            return max(x0, x0 + (p["request_throughput"] - x0) * (threshold - y0) / (norm - y0))
+        last = (p["request_throughput"], norm)
+    return None if last is None else last[0]
 
 
 def summary(groups: dict[str, list[Report]], baseline: str) -> str:
     lines = []
     for dataset, reports in groups.items():
         base = next((r for r in reports if r.system == baseline), None)
-        base_min = _min_norm(base) if base is not None else None
+        base_min = min_norm(base) if base is not None else None
         lines.append(f"### {dataset}\n")
         if base_min is None:
             lines.append(f"(no baseline `{baseline}` here: each system's threshold is twice its own minimum)\n")
         else:
             lines.append(f"threshold: 2 × `{baseline}`'s minimum normalized latency = {2 * base_min:.4f} s/token\n")
-        lines.append("| system | min norm. latency (s/tok) | req/s within threshold | × baseline "
+        lines.append("| system | min norm. latency (s/tok) | req/s at threshold | × baseline "
                      "| best out tok/s | TTFT mean at the lowest rate (ms) |")
         lines.append("|---|---|---|---|---|---|")
         base_rate = sustained_rate(base, 2 * base_min) if base_min is not None else None
         for r in reports:
-            own_min = _min_norm(r)
+            own_min = min_norm(r)
             threshold = 2 * (base_min if base_min is not None else own_min) if own_min is not None else None
             rate = sustained_rate(r, threshold) if threshold is not None else None
             ratio = rate / base_rate if rate is not None and base_rate else None
             best = max((p["output_throughput"] for p in r.points), default=None)
             rated = r.rated_points()
             ttft = rated[0]["ttft_ms"]["mean"] if rated else None
-            lines.append(f"| {r.system} | {_fmt(own_min, '.4f')} | {_fmt(rate, '.2f')} | {_fmt(ratio, '.2f')} "
-                         f"| {_fmt(best, '.1f')} | {_fmt(ttft, '.1f')} |")
+            lines.append(f"| {r.system} | {fmt(own_min, '.4f')} | {fmt(rate, '.2f')} | {fmt(ratio, '.2f')} "
+                         f"| {fmt(best, '.1f')} | {fmt(ttft, '.1f')} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -191,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     groups = by_dataset(load_reports(args.reports))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     written = [args.out_dir / "normalized_latency.png", args.out_dir / "throughput.png"]
-    plot_normalized_latency(groups, written[0], args.max_latency)
+    plot_normalized_latency(groups, written[0], args.max_latency, args.baseline)
     plot_throughput(groups, written[1])
     if plot_kv_usage(groups, args.out_dir / "kv_usage.png", re.compile(args.kv_pattern)):
         written.append(args.out_dir / "kv_usage.png")

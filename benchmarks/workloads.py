@@ -84,9 +84,10 @@ def _fit(input_len: int, output_len: int, max_model_len: int) -> tuple[int, int]
 def build_requests(spec: WorkloadSpec, seed: int, salt: int = 0) -> list[SampleRequest]:
     """The workload's requests. Lengths depend on `seed` only; token ids on (seed, salt), so the points of a
     sweep (one salt each) get the same lengths but distinct prompts that cannot hit an earlier point's
-    prefix cache."""
+    prefix cache. Input and output lengths come from streams of their own, so a smaller workload is the
+    head of a larger one (a sweep may send fewer requests at low rates)."""
     spec.validate()
-    length_rng = np.random.default_rng(seed)
+    input_rng, output_rng = np.random.default_rng([seed, 0]), np.random.default_rng([seed, 1])
     token_rng = np.random.default_rng([seed, salt])
     allowed = np.setdiff1d(np.arange(spec.vocab_size, dtype=np.int64), np.asarray(spec.special_ids, np.int64))
 
@@ -100,8 +101,8 @@ def build_requests(spec: WorkloadSpec, seed: int, salt: int = 0) -> list[SampleR
         prefix = tokens(spec.prefix_len)
         return [SampleRequest(prefix + tokens(spec.suffix_len), spec.output_len) for _ in range(n)]
     dist = SHAREGPT if spec.dataset == "sharegpt" else ALPACA
-    ins = lognormal_lengths(length_rng, dist.input_mean * spec.length_scale, dist.input_sigma, n)
-    outs = lognormal_lengths(length_rng, dist.output_mean * spec.length_scale, dist.output_sigma, n)
+    ins = lognormal_lengths(input_rng, dist.input_mean * spec.length_scale, dist.input_sigma, n)
+    outs = lognormal_lengths(output_rng, dist.output_mean * spec.length_scale, dist.output_sigma, n)
     requests = []
     for i, o in zip(ins.tolist(), outs.tolist()):
         i, o = _fit(i, o, spec.max_model_len)

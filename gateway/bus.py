@@ -11,13 +11,15 @@ from shared.protocol import Abort, ProtocolError, Request, SchedulerStats, Token
 
 log = logging.getLogger(__name__)
 READ_COUNT = 256
+MAX_STREAMED_REQUESTS = 10_000
 
 
 class Bus:
     def __init__(self, url: str, keys: Keys | None = None) -> None:
         self.keys = keys or Keys()
         self.client = connect_async(url)
-        self.reader = connect_async(url, blocking=True)  # one connection per waiting request
+        # One connection per request being streamed: redis-py's default pool of 100 would cap concurrency.
+        self.reader = connect_async(url, blocking=True, max_connections=MAX_STREAMED_REQUESTS)
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -36,12 +38,15 @@ class Bus:
                           approximate=True)
             await pipe.execute()
 
-    async def outputs(self, rid: str) -> AsyncIterator[TokenOutput]:
-        """Every TokenOutput of `rid` from the start of its stream; waits out Redis restarts."""
+    async def outputs(self, rid: str, done: asyncio.Event) -> AsyncIterator[TokenOutput]:
+        """Every TokenOutput of `rid` from the start of its stream, until the scheduler's request-level end
+        entry or until `done` is set; waits out Redis restarts. The loop ends by itself rather than by
+        cancellation alone: redis-py can swallow a cancel, and a reader left behind would hold its
+        connection forever."""
         key = self.keys.out(rid)
         cursor: bytes | str = "0-0"
         backoff = Backoff()
-        while True:
+        while not done.is_set():
             try:
                 reply = await self.reader.xread({key: cursor}, count=READ_COUNT, block=BLOCK_MS)
             except RECONNECT_ERRORS as e:
@@ -56,6 +61,8 @@ class Bus:
                     out = decode_entry(key, entry_id, fields, TokenOutput)
                     if out is not None:
                         yield out
+                        if out.sample_index == -1:
+                            return
 
     async def live_workers(self) -> tuple[list[str], int]:
         """(ids of workers whose heartbeat key exists, number of registered workers)."""

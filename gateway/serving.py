@@ -116,6 +116,7 @@ class Generation:
         waiting = set(range(len(self.trackers)))  # places reserved by Gateway.admit
         queue: asyncio.Queue[tuple[int, TokenOutput | BaseException]] = asyncio.Queue()
         readers: list[asyncio.Task] = []
+        done = asyncio.Event()
         submitted = False
         try:
             try:
@@ -124,7 +125,7 @@ class Generation:
                 raise bus_unavailable(e) from None
             submitted = True
             gw.metrics.prompt_tokens.inc(self.prompt_tokens)
-            readers = [asyncio.create_task(self._read(i, t.rid, queue)) for i, t in enumerate(self.trackers)]
+            readers = [asyncio.create_task(self._read(i, t.rid, queue, done)) for i, t in enumerate(self.trackers)]
             while not all(t.finished for t in self.trackers):
                 i, out = await queue.get()
                 if isinstance(out, BaseException):
@@ -140,15 +141,16 @@ class Generation:
                 for delta in deltas:
                     yield i * n + delta.sample_index, delta
         finally:
+            done.set()
             for reader in readers:
                 reader.cancel()
             gw.waiting -= len(waiting)
             if submitted:
                 self._finish(arrival)
 
-    async def _read(self, i: int, rid: str, queue: asyncio.Queue) -> None:
+    async def _read(self, i: int, rid: str, queue: asyncio.Queue, done: asyncio.Event) -> None:
         try:
-            async for out in self.gw.bus.outputs(rid):
+            async for out in self.gw.bus.outputs(rid, done):
                 queue.put_nowait((i, out))
         except Exception as e:  # surfaced in the handler, which answers the client and aborts
             queue.put_nowait((i, e))

@@ -548,3 +548,14 @@ def test_fuzzed_json_bodies_never_get_a_5xx(base, model):
         check()
         after = gw.post("/v1/completions", json={"prompt": "hi"})
         assert after.status == 200 and after.json()["choices"][0]["text"] == "ok 🚀"
+
+
+def test_readers_of_ended_requests_let_go_of_their_connections(base, model, redis_url):
+    # The driver never ends these requests on the bus: only the gateway's own end can stop their readers.
+    with LiveGateway(base, model, answer(model, ["one two STOP three"], finish=None)) as gw:
+        for _ in range(6):
+            gw.post("/v1/completions", json={"prompt": "Go", "stop": "STOP"})
+            gw.post("/v1/completions", json={"prompt": "Go", "stop": "STOP", "stream": True})
+        client = redis.Redis.from_url(redis_url)
+        blocked = lambda: sum("b" in c["flags"] for c in client.client_list())  # noqa: E731
+        wait_until(lambda: blocked() <= 1, "readers of ended requests to stop (only the driver's read blocks)")

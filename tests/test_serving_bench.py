@@ -3,11 +3,7 @@ from __future__ import annotations
 
 import json
 import re
-import signal
-import socket
-import subprocess
 import sys
-import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -18,10 +14,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # benchmarks/ is importable from a source checkout only
 
-from benchmarks import plot, serving  # noqa: E402
+from benchmarks import compare, plot, serving  # noqa: E402
+from benchmarks.compare import Server, ServerError, free_port  # noqa: E402
+from benchmarks.hf_static_server import PendingRequest, take_static_batch  # noqa: E402
 from benchmarks.workloads import ALPACA, SHAREGPT, WorkloadSpec, arrival_times, build_requests  # noqa: E402
-
-READY_TIMEOUT_S = 180
 
 
 def _spec(dataset: str, **kw) -> WorkloadSpec:
@@ -49,6 +45,7 @@ def test_workload_is_seeded_and_salt_changes_tokens_only():
     assert a == b
     assert [(len(x.prompt_token_ids), x.max_tokens) for x in a] == [(len(x.prompt_token_ids), x.max_tokens) for x in c]
     assert all(x.prompt_token_ids != y.prompt_token_ids for x, y in zip(a, c))
+    assert build_requests(_spec("sharegpt", num_prompts=20), 7) == a[:20]  # a smaller workload is the head
 
 
 def test_lengths_fit_the_model():
@@ -91,49 +88,42 @@ broken_kv_cache_usage not-a-number
                    "pagedserve_requests_running": 3.0}
 
 
+def test_static_batch_is_fcfs_within_the_batch_cap_and_the_kv_budget():
+    def req(prompt_len: int, max_tokens: int, ignore_eos: bool = True) -> PendingRequest:
+        return PendingRequest([3] * prompt_len, max_tokens, ignore_eos, done=None)
+
+    waiting = [req(10, 20), req(5, 5, ignore_eos=False), req(30, 10), req(4, 4), req(4, 4)]
+    # Rows x (longest prompt + longest output): 1 x 30, then 2 x 50 = 100, then 3 x 50 = 150 > 120: stop there,
+    # first come first served (the short requests behind do not jump the queue); other-kind requests wait.
+    assert take_static_batch(waiting, 8, 120) == [waiting[0], waiting[2]]
+    assert take_static_batch(waiting, 8, 0) == [waiting[0], waiting[2], waiting[3], waiting[4]]
+    assert take_static_batch(waiting, 2, 0) == [waiting[0], waiting[2]]
+    big = [req(400, 400), req(1, 1)]
+    assert take_static_batch(big, 8, 100) == big[:1]  # the head goes even alone over the budget
+
+
+def test_sustained_rate_interpolates_where_latency_crosses_the_threshold():
+    def point(rate: float, achieved: float, norm: float) -> dict:
+        return {"request_rate": rate, "request_throughput": achieved, "normalized_latency_s_per_token": norm}
+
+    report = plot.Report("s", "sharegpt", [point(4, 3.8, 0.02), point(1, 1.0, 0.01), point(2, 2.0, 0.012),
+                                           point("inf", 9.0, 0.001)])
+    assert plot.sustained_rate(report, 0.016) == pytest.approx(2.0 + 1.8 * 0.5)  # halfway from 0.012 to 0.02
+    assert plot.sustained_rate(report, 0.05) == 3.8  # never crossed: the highest rated point
+    assert plot.sustained_rate(report, 0.005) is None  # already beyond at the lowest rate
+    assert plot.min_norm(report) == 0.01  # rated points only
+
+
 # --- smoke runs against live servers -------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """A server subprocess that prints `ready: URL`; its output is drained (and kept) by a thread."""
-
-    def __init__(self, cmd: list[str]) -> None:
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        self.url = ""
-        self.ready = threading.Event()
-        threading.Thread(target=self._drain, daemon=True).start()
-
-    def _drain(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if line.startswith("ready: ") and not self.url:
-                self.url = line.split(" ", 1)[1].strip()
-                self.ready.set()
-        self.ready.set()  # the process ended: stop waiting
-
-    def wait_ready(self) -> str:
-        self.ready.wait(READY_TIMEOUT_S)
-        if not self.url:
-            self.stop()
-            pytest.fail(f"{self.proc.args} did not print `ready:`; output:\n{''.join(self.lines)[-3000:]}")
-        return self.url
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise
+def _start(cmd: list[str], log: Path) -> Server:
+    server = Server(cmd, log)
+    try:
+        server.wait_ready()
+    except ServerError as e:
+        pytest.fail(str(e))
+    return server
 
 
 def _run_benchmark(url: str, model_dir: Path, out: Path, capsys, *extra: str) -> dict:
@@ -165,10 +155,10 @@ def _check_point(point: dict, num: int, input_len: int, output_len: int) -> None
 
 @pytest.mark.slow
 def test_benchmark_against_the_static_batching_baseline(tiny_model_dir, tmp_path, capsys):
-    server = ServerProcess([sys.executable, "-m", "benchmarks.hf_static_server", "--model", str(tiny_model_dir),
-                            "--port", str(_free_port()), "--max-batch-size", "4", "--threads", "1"])
+    server = _start([sys.executable, "-m", "benchmarks.hf_static_server", "--model", str(tiny_model_dir),
+                     "--port", str(free_port()), "--max-batch-size", "4", "--threads", "1"], tmp_path / "static.log")
+    url = server.url
     try:
-        url = server.wait_ready()
         report = _run_benchmark(url, tiny_model_dir, tmp_path / "static.json", capsys, "--sweep", "inf,40")
         # Bad input gets an OpenAI-style 400, not a crash.
         bad = urllib.request.Request(f"{url}/v1/completions", data=b'{"prompt": [1, 99999], "max_tokens": 2}',
@@ -178,7 +168,7 @@ def test_benchmark_against_the_static_batching_baseline(tiny_model_dir, tmp_path
         assert err.value.code == 400 and "outside the vocabulary" in json.loads(err.value.read())["error"]["message"]
     finally:
         code = server.stop()
-    assert code == 0, "".join(server.lines)[-3000:]
+    assert code == 0, server.log.read_text()[-3000:]
     assert report["system"] == "smoke" and [p["request_rate"] for p in report["points"]] == ["inf", 40.0]
     for point in report["points"]:
         _check_point(point, num=6, input_len=12, output_len=5)
@@ -194,12 +184,54 @@ def test_benchmark_against_the_static_batching_baseline(tiny_model_dir, tmp_path
 @pytest.mark.slow
 @pytest.mark.redis
 def test_benchmark_against_the_live_stack(tiny_model_dir, tmp_path, capsys):
-    server = ServerProcess([sys.executable, "-m", "pagedserve", "up", "--model", str(tiny_model_dir),
-                            "--workers", "1", "--port", str(_free_port())])
+    server = _start([sys.executable, "-m", "pagedserve", "up", "--model", str(tiny_model_dir), "--workers", "1",
+                     "--port", str(free_port())], tmp_path / "stack.log")
     try:
-        url = server.wait_ready()
-        report = _run_benchmark(url, tiny_model_dir, tmp_path / "stack.json", capsys, "--request-rate", "inf")
+        report = _run_benchmark(server.url, tiny_model_dir, tmp_path / "stack.json", capsys, "--request-rate", "inf")
     finally:
         code = server.stop()
-    assert code == 0, "".join(server.lines)[-3000:]
+    assert code == 0, server.log.read_text()[-3000:]
     _check_point(report["points"][0], num=6, input_len=12, output_len=5)
+
+
+def _write_report(path: Path, system: str, dataset: str, points: list[tuple[float, float, float, float]]) -> Path:
+    """A minimal serving.py report: (rate, achieved req/s, normalized latency, TTFT mean ms) per point."""
+    path.write_text(json.dumps({"system": system, "workload": {"dataset": dataset}, "points": [
+        {"request_rate": rate, "request_throughput": achieved, "normalized_latency_s_per_token": norm,
+         "output_throughput": 100 * achieved, "ttft_ms": {"mean": ttft}} for rate, achieved, norm, ttft in points]}))
+    return path
+
+
+def test_compare_reports_where_the_targets_land(tmp_path):
+    paths = [
+        _write_report(tmp_path / "a.json", compare.BASELINE, "sharegpt", [(1, 1.0, 0.01, 50), (2, 2.0, 0.03, 90)]),
+        _write_report(tmp_path / "b.json", compare.CONTIGUOUS, "sharegpt",
+                      [(1, 1.0, 0.01, 9), (2, 2.0, 0.012, 9), (4, 3.5, 0.018, 12)]),
+        _write_report(tmp_path / "c.json", compare.PAGED, "sharegpt",
+                      [(1, 1.0, 0.01, 9), (2, 2.0, 0.011, 9), (4, 4.0, 0.012, 10)]),
+        _write_report(tmp_path / "d.json", compare.PREFIX_ON, "prefix", [(2, 2.0, 0.01, 10.0)]),
+        _write_report(tmp_path / "e.json", compare.PREFIX_OFF, "prefix", [(2, 2.0, 0.01, 25.0)]),
+    ]
+    text = compare.targets(paths)
+    # Threshold 0.02 s/token: hf-static crosses it halfway from 1 to 2 req/s (1.5); the others never do.
+    assert "at 0.0200 s/token" in text and "`hf-static` 1.50 req/s" in text
+    assert "`pagedserve-1w` / `hf-static` = 2.667× (target ≥ 2.0×: met)" in text
+    assert "`pagedserve-1w` / `contiguous` = 1.143× (target ≥ 1.5×: NOT met)" in text
+    assert "25.0 ms off / 10.0 ms on = 2.500× lower with prefix caching (target ≥ 2×: met)" in text
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_compare_runs_end_to_end(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "results"
+    assert compare.main(["--out-dir", str(out), "--log-dir", str(tmp_path / "logs"), "--model", str(tiny_model_dir),
+                         "--systems", f"{compare.BASELINE},{compare.PAGED}", "--rates", "20", "--num-prompts", "3",
+                         "--length-scale", "0.05"]) == 0
+    for system in (compare.BASELINE, compare.PAGED):
+        report = json.loads((out / f"{system}-sharegpt.json").read_text())
+        assert [(p["request_rate"], p["completed"], p["failed"]) for p in report["points"]] == [(20.0, 3, 0)]
+    for name in ("normalized_latency.png", "throughput.png", "kv_usage.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = (out / "summary.md").read_text()
+    assert f"| {compare.PAGED} |" in summary and "## Targets" in summary and "`pagedserve-1w` / `hf-static` =" in summary
+    assert "## Targets" in capsys.readouterr().out
