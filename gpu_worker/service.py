@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 
-from shared.bus import BLOCK_MS, RECONNECT_ERRORS, Backoff, connect, decode_entry
+from shared.bus import BLOCK_MS, RECONNECT_ERRORS, Backoff, connect, decode_entry, retry
 from shared.keys import CONTROL_MAXLEN, FIELD, RESULTS_MAXLEN, Keys
 from shared.log import setup_logging
 from shared.protocol import StepPlan, StepResult, WorkerGone, encode
@@ -75,20 +75,14 @@ class WorkerService:
                 log.warning("heartbeat failed, retrying: %s", e)
 
     def run(self) -> None:
-        backoff = Backoff()
-        while not self.stop_event.is_set():
-            try:
-                self.register()
-                break
-            except RECONNECT_ERRORS as e:
-                log.warning("Redis unreachable at start, retrying: %s", e)
-                time.sleep(backoff.next())
+        retry(self.register, "registering (Redis unreachable?)", self.stop_event)
         heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         heartbeat.start()
         log.info("worker %s ready: %d KV blocks of %d tokens, %d swap blocks", self.worker_id,
                  self.registration.num_blocks, self.registration.block_size, self.registration.num_swap_blocks)
         stream = self.keys.plans(self.worker_id)
         last_id = "0-0"
+        backoff = Backoff()
         try:
             while not self.stop_event.is_set():
                 try:
@@ -127,25 +121,18 @@ class WorkerService:
 
     def _publish(self, result: StepResult) -> None:
         keep_ms = int((self.settings.request_timeout + self.settings.out_stream_ttl) * 1000)
-        backoff = Backoff()
-        while True:
-            try:
-                pipe = self.client.pipeline(transaction=True)
-                for out in result.outputs:
-                    key = self.keys.out(out.rid)
-                    pipe.xadd(key, {FIELD: encode(out)})
-                    if out.output_index % EXPIRY_REFRESH_TOKENS == 0:  # abandoned streams expire
-                        pipe.pexpire(key, keep_ms)
-                pipe.xadd(self.keys.results, {FIELD: encode(result)}, maxlen=RESULTS_MAXLEN, approximate=True)
-                pipe.set(self.keys.heartbeat(self.worker_id), 1, px=self._ttl_ms)
-                pipe.execute()
-                return
-            except RECONNECT_ERRORS as e:
-                if self.stop_event.is_set():
-                    return
-                log.warning("publishing step %d failed, retrying: %s", result.step_id, e)
-                time.sleep(backoff.next())
 
+        def publish() -> None:
+            pipe = self.client.pipeline(transaction=True)
+            for out in result.outputs:
+                key = self.keys.out(out.rid)
+                pipe.xadd(key, {FIELD: encode(out)})
+                if out.output_index % EXPIRY_REFRESH_TOKENS == 0:  # abandoned streams expire
+                    pipe.pexpire(key, keep_ms)
+            pipe.xadd(self.keys.results, {FIELD: encode(result)}, maxlen=RESULTS_MAXLEN, approximate=True)
+            pipe.set(self.keys.heartbeat(self.worker_id), 1, px=self._ttl_ms)
+            pipe.execute()
+        retry(publish, f"publishing step {result.step_id}", self.stop_event)
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="pagedserve worker", description="pagedserve GPU worker service")

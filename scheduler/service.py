@@ -19,7 +19,7 @@ from collections import defaultdict
 import redis
 
 from scheduler.scheduler import FinishedRequest, Scheduler
-from shared.bus import BLOCK_MS, RECONNECT_ERRORS, Backoff, connect_async, decode_entry
+from shared.bus import BLOCK_MS, RECONNECT_ERRORS, Backoff, connect_async, decode_entry, retry_async
 from shared.keys import FIELD, PLANS_MAXLEN, Keys
 from shared.log import setup_logging
 from shared.protocol import (
@@ -246,17 +246,12 @@ class SchedulerService:
     async def _execute_until_done(self, commands: list[tuple[str, tuple, dict]]) -> None:
         # The core already counts these plans as in flight: they must reach Redis. A replay after a
         # connection drop is harmless (workers skip plans they have run; the gateway skips indices).
-        backoff = Backoff()
-        while True:
+        async def execute() -> None:
             pipe = self.client.pipeline(transaction=False)
             for name, args, kwargs in commands:
                 getattr(pipe, name)(*args, **kwargs)
-            try:
-                await pipe.execute()
-                return
-            except RECONNECT_ERRORS as e:
-                log.warning("writing plans failed, retrying: %s", e)
-                await asyncio.sleep(backoff.next())
+            await pipe.execute()
+        await retry_async(execute, "writing plans")
 
     async def _sync_workers(self) -> None:
         """Add registered workers whose heartbeat is alive; drop those whose heartbeat expired."""
@@ -311,14 +306,7 @@ class SchedulerService:
             await asyncio.sleep(TICK_S)
 
     async def run(self) -> None:
-        backoff = Backoff()
-        while not self.stop_event.is_set():
-            try:
-                await self._start()
-                break
-            except RECONNECT_ERRORS as e:
-                log.warning("Redis unreachable at start, retrying: %s", e)
-                await asyncio.sleep(backoff.next())
+        await retry_async(self._start, "starting (Redis unreachable?)", self.stop_event)
         if self.stop_event.is_set():
             return
         requests_reader = connect_async(self.settings.redis_url, blocking=True)

@@ -5,8 +5,12 @@ defaults `socket_timeout` to 5 s, which would cut a longer XREAD short.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
+import time
 from dataclasses import dataclass
+from typing import Awaitable, Callable, TypeVar
 
 import redis
 import redis.asyncio
@@ -19,6 +23,7 @@ BLOCK_MS = 1000  # longest blocking read; services wake at least this often to c
 _TIMEOUT = 5.0
 RECONNECT_ERRORS = (redis.ConnectionError, redis.TimeoutError, ConnectionError, OSError)
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def _options(blocking: bool) -> dict:
@@ -54,6 +59,32 @@ class Backoff:
 
     def reset(self) -> None:
         self.current = 0.0
+
+
+def retry(action: Callable[[], T], what: str, stop: threading.Event | None = None) -> T | None:
+    """Run `action` until Redis lets it through, backing off between tries; None if `stop` is set by then."""
+    backoff = Backoff()
+    while True:
+        try:
+            return action()
+        except RECONNECT_ERRORS as e:
+            if stop is not None and stop.is_set():
+                return None
+            log.warning("%s failed, retrying: %s", what, e)
+            time.sleep(backoff.next())
+
+
+async def retry_async(action: Callable[[], Awaitable[T]], what: str, stop: asyncio.Event | None = None) -> T | None:
+    """`retry` for coroutines."""
+    backoff = Backoff()
+    while True:
+        try:
+            return await action()
+        except RECONNECT_ERRORS as e:
+            if stop is not None and stop.is_set():
+                return None
+            log.warning("%s failed, retrying: %s", what, e)
+            await asyncio.sleep(backoff.next())
 
 
 def decode_entry(stream: str, entry_id: bytes | str, fields: dict, expected: type | tuple[type, ...]) -> Message | None:
