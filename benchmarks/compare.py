@@ -203,11 +203,21 @@ def targets(paths: list[Path]) -> str:
                          "sustain " + ", ".join(f"`{n}` {plot.fmt(v, '.2f')} req/s" for n, v in rate.items()) + ".")
             best = {name: max(p["output_throughput"] for p in r.points) for name, r in by.items()}
             for ref, goal in ((BASELINE, 2.0), (CONTIGUOUS, 1.5)):
-                if rate.get(ref) and rate.get(PAGED) is not None:
+                if ref not in by:
+                    continue
+                pair = f"  - `{PAGED}` / `{ref}`"
+                if rate[ref] and rate[PAGED] is not None:
                     ratio = rate[PAGED] / rate[ref]
                     verdict = "met" if ratio >= goal else "NOT met"
-                    lines.append(f"  - `{PAGED}` / `{ref}` = {ratio:.3f}× (target ≥ {goal}×: {verdict}); "
+                    lines.append(f"{pair} = {ratio:.3f}× (target ≥ {goal}×: {verdict}); "
                                  f"best output throughput {best[PAGED] / best[ref]:.3f}×")
+                else:
+                    # A system over the threshold at its lowest measured rate has no sustained rate to divide.
+                    over = [n for n in (PAGED, ref) if not rate[n]]
+                    verdict = "undetermined" if len(over) == 2 else "NOT met" if over == [PAGED] else "met"
+                    lines.append(f"{pair}: no ratio, " + " and ".join(f"`{n}`" for n in over)
+                                 + f" over the threshold at every measured rate (target ≥ {goal}×: {verdict}; "
+                                 "measure lower rates to place it)")
         if PREFIX_ON in by and PREFIX_OFF in by:
             on = {p["request_rate"]: p["ttft_ms"]["mean"] for p in by[PREFIX_ON].points}
             off = {p["request_rate"]: p["ttft_ms"]["mean"] for p in by[PREFIX_OFF].points}
