@@ -98,6 +98,20 @@ class BusClient:
         raw = self.redis.get(self.keys.stats)
         return decode(raw, SchedulerStats) if raw else None
 
+    def settled_stats(self, timeout: float = 30.0) -> SchedulerStats:
+        """The first snapshot published after this call with nothing running or waiting: the one read right
+        after a request ends may predate it, since the scheduler publishes stats on its housekeeping tick."""
+        since = time.time()
+        found: list[SchedulerStats] = []
+
+        def settled() -> bool:
+            s = self.stats()
+            if s is not None and s.time > since and s.running == 0 and s.waiting == 0:
+                found.append(s)
+            return bool(found)
+        self.wait_for(settled, "stats to settle", timeout)
+        return found[0]
+
     def wait_for(self, predicate, what: str, timeout: float = 90.0, stack=None) -> None:
         deadline = time.monotonic() + timeout
         while not predicate():
