@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         stack.start_services(1, gateway=False)
         client = BusClient(url)
-        client.wait_for(lambda: (s := client.stats()) is not None and len(s.workers) == 1, "the worker", 120)
+        client.wait_for(lambda: (s := client.stats()) is not None and len(s.workers) == 1, "the worker", 120, stack)
         for level in levels:
             prompts = trace(args.requests or max(8, 2 * level), args.prompt_len, seed=level)
             engine = run_engine(settings, prompts, params, level)

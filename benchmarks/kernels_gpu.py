@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kernels import reference, triton_ops
+from kernels.testing import random_paged_batch
 
 GIB = 1 << 30
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
@@ -111,32 +112,11 @@ def copy_bandwidth_gbs() -> float:
     return 2 * GIB / (us * 1e-6) / 1e9
 
 
-def mixed_batch(rng: random.Random, block_size: int, head_dim: int, qpk: int, kv_heads: int, dtype: torch.dtype,
-                decode_only: bool) -> tuple:
-    """A batch with shuffled pages (filled through the reference store) and its slot mapping."""
-    chunks = ([(rng.randrange(1, 3000), 1) for _ in range(12)] if decode_only else
-              [(rng.randrange(1, 3000), 1), (0, 333), (1000, 77), (2 * block_size + 3, 129), (5, 1), (4095, 16)])
-    seq_lens = [c + q for c, q in chunks]
-    pages = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(pages) + 8
-    ids = list(range(1, num_blocks))
-    rng.shuffle(ids)
-    tables = torch.zeros(len(chunks), max(pages) + 2, dtype=torch.int32)
-    slots = []
-    for s, (n, k) in enumerate(zip(seq_lens, pages)):
-        tables[s, :k] = torch.tensor(ids[:k], dtype=torch.int32)
-        ids = ids[k:]
-        slots += [int(tables[s, p // block_size]) * block_size + p % block_size for p in range(n)] + [-1]
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    kc = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
-    vc = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
-    key = torch.randn(len(slots), kv_heads, head_dim, device="cuda").to(dtype)
-    value = torch.randn(len(slots), kv_heads, head_dim, device="cuda").to(dtype)
-    slot_mapping = torch.tensor(slots, dtype=torch.int32, device="cuda")
-    qsl = torch.tensor([0] + [q for _, q in chunks], dtype=torch.int32).cumsum(0, dtype=torch.int32).cuda()
-    query = torch.randn(int(qsl[-1]), kv_heads * qpk, head_dim, device="cuda").to(dtype)
-    return (query, kc, vc, tables.cuda(), qsl, torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
-            key, value, slot_mapping)
+def mixed_chunks(rng: random.Random, block_size: int, decode_only: bool) -> list[tuple[int, int]]:
+    """(cached context, new chunk) pairs: a dozen decodes, or decodes beside fresh and chunked prefills."""
+    if decode_only:
+        return [(rng.randrange(1, 3000), 1) for _ in range(12)]
+    return [(rng.randrange(1, 3000), 1), (0, 333), (1000, 77), (2 * block_size + 3, 129), (5, 1), (4095, 16)]
 
 
 def check_correctness() -> list[CheckRow]:
@@ -147,18 +127,18 @@ def check_correctness() -> list[CheckRow]:
         for block_size, head_dim, qpk, kv_heads in CORRECTNESS_SHAPES:
             shape = f"bs{block_size} d{head_dim} gqa{qpk} kvh{kv_heads}"
             for decode_only in (False, True):
-                q, kc, vc, tables, qsl, seq_lens, key, value, slots = mixed_batch(
-                    rng, block_size, head_dim, qpk, kv_heads, dtype, decode_only)
-                ref_kc, ref_vc = kc.clone(), vc.clone()
-                triton_ops.store_kv(key, value, kc, vc, slots)
-                reference.store_kv(key, value, ref_kc, ref_vc, slots)
-                same = torch.equal(kc.nan_to_num(7.0), ref_kc.nan_to_num(7.0)) and \
-                    torch.equal(vc.nan_to_num(7.0), ref_vc.nan_to_num(7.0))
+                b = random_paged_batch(rng, mixed_chunks(rng, block_size, decode_only), block_size, head_dim, qpk,
+                                       kv_heads, dtype, device="cuda")
+                ref_kc, ref_vc = b.key_cache.clone(), b.value_cache.clone()
+                triton_ops.store_kv(b.key, b.value, b.key_cache, b.value_cache, b.slot_mapping)
+                reference.store_kv(b.key, b.value, ref_kc, ref_vc, b.slot_mapping)
+                same = torch.equal(b.key_cache.nan_to_num(7.0), ref_kc.nan_to_num(7.0)) and \
+                    torch.equal(b.value_cache.nan_to_num(7.0), ref_vc.nan_to_num(7.0))
                 rows.append(CheckRow(name, "store_kv", shape, 0.0 if same else math.inf, same))
-                scale = head_dim ** -0.5
-                expected = reference.paged_attention(q, kc, vc, tables, qsl, seq_lens, scale).float()
+                args = b.attention_args(head_dim ** -0.5)
+                expected = reference.paged_attention(*args).float()
                 for label, splits in (("single", 1), ("split4", 4), ("auto", None)):
-                    got = triton_ops.unified_attention(q, kc, vc, tables, qsl, seq_lens, scale, num_splits=splits)
+                    got = triton_ops.unified_attention(*args, num_splits=splits)
                     err = (got.float() - expected).abs().max().item()
                     kind = f"attention {'decode' if decode_only else 'mixed'} {label}"
                     rows.append(CheckRow(name, kind, shape, err, err <= TOLERANCE[dtype]))

@@ -93,18 +93,51 @@ class Child:
 
 @dataclass(slots=True)
 class Stack:
+    """The services as child processes, by name. Their output goes to stderr, or with `log_dir` to one
+    file per child (`<name>.log`, appended across restarts under the same name)."""
     settings: Settings
-    children: list[Child] = field(default_factory=list)
+    log_dir: Path | None = None
+    children: dict[str, Child] = field(default_factory=dict)
     redis: subprocess.Popen | None = None
     redis_dir: Path | None = None
     stopping: bool = False
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str], is_worker: bool = False) -> None:
-        proc = subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno(),
-                                start_new_session=True,
-                                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
-        self.children.append(Child(name, proc, is_worker))
+    def spawn(self, name: str, module: str, env: dict[str, str] | None = None, is_worker: bool = False) -> None:
+        """Start `python -m module` with the settings as PAGEDSERVE_* variables (plus `env`)."""
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", **settings_env(self.settings)) | (env or {})
+        out = sys.stderr if self.log_dir is None else open(self.log_dir / f"{name}.log", "ab")
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", module], env=full_env, stdin=subprocess.DEVNULL,
+                                    stdout=out.fileno(), stderr=subprocess.STDOUT, start_new_session=True,
+                                    preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+        finally:
+            if out is not sys.stderr:
+                out.close()
+        self.children[name] = Child(name, proc, is_worker)
         say(f"started {name} (pid {proc.pid})")
+
+    def start_scheduler(self, name: str = "scheduler") -> None:
+        self.spawn(name, "scheduler")
+
+    def start_worker(self, worker_id: str) -> None:
+        self.spawn(worker_id, "gpu_worker", {ENV_PREFIX + "WORKER_ID": worker_id}, is_worker=True)
+
+    def start_services(self, workers: int, gateway: bool = True) -> None:
+        self.start_scheduler()
+        for i in range(workers):
+            self.start_worker(f"worker-{i}")
+        if gateway:
+            self.spawn("gateway", "gateway")
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Signal one child and wait for it to exit (a fault, or with SIGTERM a deliberate stop)."""
+        child = self.children.pop(name)
+        child.proc.send_signal(sig)
+        child.proc.wait(STOP_TIMEOUT_S)
+
+    def log(self, name: str) -> str:
+        assert self.log_dir is not None, "only a stack with log_dir keeps its children's output"
+        return (self.log_dir / f"{name}.log").read_text(errors="replace")
 
     def start_redis(self, port: int) -> str | None:
         """Start the private redis-server; its URL, or None after saying why it could not start."""
@@ -132,37 +165,33 @@ class Stack:
         say(f"started redis-server (pid {self.redis.pid}) on port {port}, AOF in {self.redis_dir}")
         return url
 
-    def start_services(self, workers: int, gateway: bool = True) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **settings_env(self.settings))
-        python = sys.executable
-        self._spawn("scheduler", [python, "-m", "scheduler"], env)
-        for i in range(workers):
-            worker_id = f"worker-{i}"
-            self._spawn(worker_id, [python, "-m", "gpu_worker"], env | {ENV_PREFIX + "WORKER_ID": worker_id},
-                        is_worker=True)
-        if gateway:
-            self._spawn("gateway", [python, "-m", "gateway"], env)
-
     def check_children(self) -> Child | None:
         """The first child that died, or None; a worker that exited cleanly is let go."""
-        for child in list(self.children):
+        for child in list(self.children.values()):
             code = child.proc.poll()
             if code is None:
                 continue
             if child.is_worker and code == 0:
-                self.children.remove(child)
-                left = sum(c.is_worker for c in self.children)
+                del self.children[child.name]
+                left = sum(c.is_worker for c in self.children.values())
                 say(f"{child.name} stopped; {left} worker(s) left")
                 continue
             return child
         return None
 
+    def assert_alive(self) -> None:
+        """Fail with the child's last output if one has died (tests and benchmarks call this while waiting)."""
+        dead = self.check_children()
+        if dead is not None:
+            tail = self.log(dead.name)[-3000:] if self.log_dir is not None else "(its output went to stderr)"
+            raise AssertionError(f"{dead.name} died (exit code {dead.proc.returncode}):\n{tail}")
+
     def stop(self) -> None:
-        for child in self.children:
+        for child in self.children.values():
             if child.proc.poll() is None:
                 child.proc.terminate()
         deadline = time.monotonic() + STOP_TIMEOUT_S
-        for child in self.children:
+        for child in self.children.values():
             try:
                 code = child.proc.wait(max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:

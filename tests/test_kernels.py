@@ -15,57 +15,22 @@ import os
 import random
 import subprocess
 import sys
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 from kernels import attention_backend, reference, triton_ops
+from kernels.testing import PagedBatch, random_paged_batch
 
 SCALE = 0.125
 
 
-@dataclass(slots=True)
-class PagedBatch:
-    query: torch.Tensor
-    key_cache: torch.Tensor
-    value_cache: torch.Tensor
-    block_tables: torch.Tensor
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-
-    def args(self) -> tuple:
-        return (self.query, self.key_cache, self.value_cache, self.block_tables, self.query_start_loc,
-                self.seq_lens, SCALE)
-
-
 def make_batch(rng: random.Random, chunks: list[tuple[int, int]], block_size: int, head_dim: int,
                queries_per_kv: int, num_kv_heads: int, dtype: torch.dtype) -> PagedBatch:
-    """Sequences given as (cached context, new chunk) with shuffled pages, filled by the reference."""
-    seq_lens = [context + chunk for context, chunk in chunks]
-    pages = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(pages) + 4  # + the null block and spares that stay NaN
-    ids = list(range(1, num_blocks))
-    rng.shuffle(ids)
-    # one padding column beyond the longest sequence: entries 0 point at the (NaN) null block
-    block_tables = torch.zeros(len(chunks), max(pages) + 1, dtype=torch.int32)
-    slots = []
-    for s, (n, n_pages) in enumerate(zip(seq_lens, pages)):
-        block_tables[s, :n_pages] = torch.tensor(ids[:n_pages], dtype=torch.int32)
-        ids = ids[n_pages:]
-        slots += [int(block_tables[s, p // block_size]) * block_size + p % block_size for p in range(n)]
-        slots.append(-1)  # a padding token between sequences
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    key_cache = torch.full(shape, float("nan"), dtype=dtype)
-    value_cache = torch.full(shape, float("nan"), dtype=dtype)
-    gen = torch.Generator().manual_seed(rng.randrange(2**31))
-    kv_shape = (len(slots), num_kv_heads, head_dim)
-    reference.store_kv(torch.randn(kv_shape, generator=gen).to(dtype), torch.randn(kv_shape, generator=gen).to(dtype),
-                       key_cache, value_cache, torch.tensor(slots))
-    query_start_loc = torch.tensor([0] + [c for _, c in chunks], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    query = torch.randn(int(query_start_loc[-1]), num_kv_heads * queries_per_kv, head_dim, generator=gen).to(dtype)
-    return PagedBatch(query, key_cache, value_cache, block_tables, query_start_loc,
-                      torch.tensor(seq_lens, dtype=torch.int32))
+    """A random paged batch whose caches the reference has filled."""
+    batch = random_paged_batch(rng, chunks, block_size, head_dim, queries_per_kv, num_kv_heads, dtype)
+    reference.store_kv(batch.key, batch.value, batch.key_cache, batch.value_cache, batch.slot_mapping)
+    return batch
 
 
 def mixed_chunks(rng: random.Random, block_size: int) -> list[tuple[int, int]]:
@@ -104,8 +69,8 @@ ATTENTION_CASES = [
 def test_mixed_batch_matches_reference(block_size, head_dim, qpk, kv_heads, dtype, num_splits):
     rng = random.Random(f"{block_size}-{head_dim}-{qpk}-{num_splits}")
     batch = make_batch(rng, mixed_chunks(rng, block_size), block_size, head_dim, qpk, kv_heads, dtype)
-    out = triton_ops.unified_attention(*batch.args(), num_splits=num_splits)
-    expected = reference.paged_attention(*batch.args())
+    out = triton_ops.unified_attention(*batch.attention_args(SCALE), num_splits=num_splits)
+    expected = reference.paged_attention(*batch.attention_args(SCALE))
     torch.testing.assert_close(out, expected, **tolerance(dtype))
 
 
@@ -115,8 +80,8 @@ def test_decode_batch_matches_reference(block_size, head_dim, qpk, num_splits):
     rng = random.Random(f"decode-{block_size}-{num_splits}")
     contexts = [0, block_size - 1, block_size, 2 * block_size + 1, 300] + [rng.randrange(300) for _ in range(3)]
     batch = make_batch(rng, [(c, 1) for c in contexts], block_size, head_dim, qpk, 1, torch.float32)
-    out = triton_ops.unified_attention(*batch.args(), num_splits=num_splits)
-    torch.testing.assert_close(out, reference.paged_attention(*batch.args()), **tolerance(torch.float32))
+    out = triton_ops.unified_attention(*batch.attention_args(SCALE), num_splits=num_splits)
+    torch.testing.assert_close(out, reference.paged_attention(*batch.attention_args(SCALE)), **tolerance(torch.float32))
 
 
 def test_paged_attention_heuristic_path_strided_query_int64_metadata():
@@ -129,8 +94,8 @@ def test_paged_attention_heuristic_path_strided_query_int64_metadata():
     batch.query = fused[:, :2]
     batch.block_tables, batch.query_start_loc, batch.seq_lens = (
         batch.block_tables.long(), batch.query_start_loc.long(), batch.seq_lens.long())
-    out = triton_ops.paged_attention(*batch.args())
-    torch.testing.assert_close(out, reference.paged_attention(*batch.args()), **tolerance(torch.float32))
+    out = triton_ops.paged_attention(*batch.attention_args(SCALE))
+    torch.testing.assert_close(out, reference.paged_attention(*batch.attention_args(SCALE)), **tolerance(torch.float32))
 
 
 @pytest.mark.parametrize("source,cache_dtype", [(torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16)])

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from bus_stack import Stack
 from pagedserve.bus_client import BusClient
+from pagedserve.launcher import Stack
 from shared.keys import FIELD, Keys
 from shared.sampling import SamplingParams
 from shared.settings import Settings
@@ -42,7 +42,9 @@ def reference(tiny_model_dir):
 
 
 def start(redis_url, tiny_model_dir, tmp_path, workers=("w0", "w1"), **settings) -> tuple[Stack, BusClient]:
-    stack = Stack(redis_url, tiny_model_dir, tmp_path, {k: str(v) for k, v in settings.items()})
+    # a short heartbeat TTL so that a killed worker is noticed quickly
+    stack = Stack(Settings(redis_url=redis_url, model=str(tiny_model_dir), heartbeat_ttl=1.5, **settings),
+                  log_dir=tmp_path)
     client = BusClient(redis_url)
     stack.start_scheduler()
     for w in workers:
