@@ -55,6 +55,7 @@ class RequestTracker:
         self.samples = [Sample(IncrementalDetokenizer.after_prompt(decode, prompt_ids), StopStrings(list(stops)))
                         for _ in range(n)]
         self.error: str | None = None
+        self.error_kind: str | None = None
         self.ended_on_bus = False  # the scheduler ended the whole request (error, abort, or cache outgrown)
 
     @property
@@ -79,6 +80,7 @@ class RequestTracker:
             self.ended_on_bus = True
             if out.finish_reason == "error":
                 self.error = out.error or "the request failed"
+                self.error_kind = out.error_kind
                 return []
             reason = out.finish_reason or "abort"
             return [self._end(i, "", reason) for i, s in enumerate(self.samples) if s.finish_reason is None]

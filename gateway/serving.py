@@ -22,7 +22,7 @@ from gateway.generation import Delta, RequestTracker, TokenLogprob
 from gateway.metrics import Metrics
 from gateway.model import ServedModel
 from gateway.params import GenerateCall
-from shared.protocol import Request, TokenOutput
+from shared.protocol import REJECTED, UNAVAILABLE, Request, TokenOutput
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -33,9 +33,10 @@ BUS_ERRORS = (RedisError, OSError)  # redis-py wraps most socket errors, not all
 class RequestFailed(Exception):
     """The scheduler ended a request with an error entry; `tokens` says whether any token came first."""
 
-    def __init__(self, message: str, tokens: int) -> None:
+    def __init__(self, message: str, tokens: int, kind: str | None) -> None:
         super().__init__(message)
         self.tokens = tokens
+        self.kind = kind
 
 
 def bus_unavailable(e: Exception) -> ApiError:
@@ -137,7 +138,8 @@ class Generation:
                     gw.waiting -= 1
                     self._first_token(i, arrival)
                 if tracker.error is not None:
-                    raise RequestFailed(tracker.error, sum(t.num_generated for t in self.trackers))
+                    raise RequestFailed(tracker.error, sum(t.num_generated for t in self.trackers),
+                                        tracker.error_kind)
                 for delta in deltas:
                     yield i * n + delta.sample_index, delta
         finally:
@@ -267,8 +269,14 @@ def _as_api_error(e: Exception, call_id: str) -> ApiError:
 
 
 def _failure(e: RequestFailed) -> ApiError:
-    """A request the scheduler refused before any token is the client's to fix (400); a later failure is ours."""
-    if e.tokens == 0:
+    """The scheduler's reason picks the status: a request it can never serve is the client's to fix (400), no
+    worker in time is worth a retry (503), a worker failing is ours (500)."""
+    if e.tokens:
+        return ApiError(500, f"the request failed after {e.tokens} tokens: {e}", type="server_error",
+                        code="request_failed")
+    if e.kind == REJECTED:
         return ApiError(400, str(e), code="request_rejected")
-    return ApiError(500, f"the request failed after {e.tokens} tokens: {e}", type="server_error",
-                    code="request_failed")
+    if e.kind == UNAVAILABLE:
+        return ApiError(503, str(e), type="server_error", code="no_worker_available",
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
+    return ApiError(500, str(e), type="server_error", code="request_failed")

@@ -19,7 +19,8 @@ from operator import attrgetter
 from scheduler.kv_cache_manager import KVCacheManager, cdiv
 from scheduler.request import RequestState, Sequence, Status
 from shared.protocol import (
-    NewSequence, Request, SchedulerStats, ScheduledSequence, StepPlan, StepResult, WorkerRegistration, WorkerStats,
+    FAILED, REJECTED, UNAVAILABLE, NewSequence, Request, SchedulerStats, ScheduledSequence, StepPlan, StepResult,
+    WorkerRegistration, WorkerStats,
 )
 from shared.sampling import ParamError, finish_reason
 from shared.settings import Settings
@@ -32,6 +33,7 @@ class FinishedRequest:
     rid: str
     finish_reason: str  # "stop" | "length" | "abort" | "error"
     error: str | None = None  # set for rejected/failed requests: a clear message for the client
+    error_kind: str | None = None  # REJECTED, UNAVAILABLE or FAILED, with `error`
 
 
 @dataclass(slots=True)
@@ -129,7 +131,7 @@ class Scheduler:
         outputs = outputs or {}
         error = self._invalid(req, outputs)
         if error is not None:
-            self.finished.append(FinishedRequest(req.rid, "error", error))
+            self.finished.append(FinishedRequest(req.rid, "error", error, REJECTED))
             return
         n = req.params.n
         rs = RequestState(req, next(self._order), [list(outputs.get(i, ())) for i in range(n)], [None] * n)
@@ -168,7 +170,7 @@ class Scheduler:
             if rs.unplaced_since is None:
                 rs.unplaced_since = now
             elif now - rs.unplaced_since > timeout:
-                self._finish(rs, "error", f"no worker could take the request within {timeout:g} s")
+                self._fail(rs, UNAVAILABLE, f"no worker could take the request within {timeout:g} s")
 
     def stats(self, now: float) -> SchedulerStats:
         workers = [WorkerStats(wid, ws.kv.pool.num_usable, ws.kv.num_free, ws.num_running_seqs,
@@ -240,7 +242,7 @@ class Scheduler:
         fitting = [ws for wid, ws in self.workers.items() if misfits[wid] is None]
         if not fitting:
             largest = max(self.workers, key=lambda wid: self.workers[wid].capacity_tokens)
-            self._finish(rs, "error", misfits[largest])
+            self._fail(rs, REJECTED, misfits[largest])
             return
         uncached = {ws.reg.worker_id: self._uncached(rs, ws) for ws in fitting}
         ws = min(fitting, key=lambda w: self._placement_key(uncached[w.reg.worker_id], w))
@@ -456,7 +458,7 @@ class Scheduler:
         if result.error is not None:
             for rs in {id(e.rs): e.rs for e in entries}.values():
                 if rs.status is Status.RUNNING:
-                    self._finish(rs, "error", f"worker {ws.reg.worker_id} failed the step: {result.error}")
+                    self._fail(rs, FAILED, f"worker {ws.reg.worker_id} failed the step: {result.error}")
             return
         sampled: dict[tuple[str, int], Scheduled] = {}
         for e in entries:
@@ -471,7 +473,7 @@ class Scheduler:
             if out.sample_index < 0:
                 rs = self.requests.get(out.rid)
                 if rs is not None and rs.worker_id == ws.reg.worker_id:
-                    self._finish(rs, "error", out.error or "the worker failed the request")
+                    self._fail(rs, FAILED, out.error or "the worker failed the request")
                 continue
             e = sampled.pop((out.rid, out.sample_index), None)
             if e is None or e.rs.status is not Status.RUNNING or out.output_index != len(e.seq.output):
@@ -495,7 +497,10 @@ class Scheduler:
         if not rs.live_samples:
             self._finish(rs, reason)
 
-    def _finish(self, rs: RequestState, reason: str, error: str | None = None) -> None:
+    def _fail(self, rs: RequestState, kind: str, error: str) -> None:
+        self._finish(rs, "error", error, kind)
+
+    def _finish(self, rs: RequestState, reason: str, error: str | None = None, error_kind: str | None = None) -> None:
         ws = self.workers.get(rs.worker_id) if rs.worker_id is not None else None
         if ws is not None:
             self._release(ws, rs)
@@ -506,4 +511,4 @@ class Scheduler:
             self.unplaced.remove(rs)
         rs.status = Status.FINISHED
         self.requests.pop(rs.rid, None)
-        self.finished.append(FinishedRequest(rs.rid, reason, error))
+        self.finished.append(FinishedRequest(rs.rid, reason, error, error_kind))

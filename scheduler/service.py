@@ -234,7 +234,8 @@ class SchedulerService:
         key = self.keys.out(done.rid)
         # The request-level end: the gateway ends every sample the workers did not finish (an error,
         # an abort, a request that outgrew the cache) with this reason.
-        end = TokenOutput(done.rid, -1, 0, -1, finish_reason=done.finish_reason, error=done.error)
+        end = TokenOutput(done.rid, -1, 0, -1, finish_reason=done.finish_reason, error=done.error,
+                          error_kind=done.error_kind)
         commands: list[tuple[str, tuple, dict]] = [("xadd", (key, {FIELD: encode(end)}), {})]
         commands.append(("pexpire", (key, int(self.settings.out_stream_ttl * 1000)), {}))
         entry_id = self.entry_ids.pop(done.rid, None)

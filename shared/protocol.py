@@ -18,6 +18,10 @@ import msgpack
 from shared.sampling import ParamError, SamplingParams
 
 PROTOCOL_VERSION = 1
+# Why the scheduler ended a request with an error, so the gateway can answer with the right status.
+REJECTED = "rejected"  # the request can never be served as sent (e.g. longer than any worker's cache): 400
+UNAVAILABLE = "unavailable"  # no worker took it in time: 503, worth retrying
+FAILED = "failed"  # a worker failed while serving it: 500
 MAX_MESSAGE_BYTES = 64 << 20
 _INT64 = (-(2**63), 2**63 - 1)
 
@@ -112,8 +116,9 @@ class StepPlan:
 class TokenOutput:
     """One sampled token (`out:{rid}` stream, and inside a step result).
 
-    The scheduler ends each request with an entry of `sample_index` -1: `finish_reason` "error" and
-    `error` set for a failure, else the reason that ends every sample the workers did not finish.
+    The scheduler ends each request with an entry of `sample_index` -1: `finish_reason` "error" with
+    `error` (the message) and `error_kind` (REJECTED, UNAVAILABLE or FAILED) for a failure, else the
+    reason that ends every sample the workers did not finish.
     """
     rid: str
     sample_index: int
@@ -123,6 +128,7 @@ class TokenOutput:
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    error_kind: str | None = None
 
 
 @dataclass(slots=True)

@@ -25,7 +25,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.app import create_app
 from gateway.model import ServedModel
 from shared.keys import FIELD, Keys
-from shared.protocol import Abort, Request, SchedulerStats, TokenOutput, WorkerRegistration, WorkerStats, decode, encode
+from shared.protocol import (
+    FAILED, REJECTED, UNAVAILABLE, Abort, Request, SchedulerStats, TokenOutput, WorkerRegistration, WorkerStats,
+    decode, encode,
+)
 from shared.settings import Settings
 
 KEYS = Keys()
@@ -130,7 +133,8 @@ def tokens(model: ServedModel, text: str) -> list[int]:
     return model.tokenizer.hf(text, add_special_tokens=False)["input_ids"]
 
 
-def answer(model: ServedModel, texts: list[str], finish: str | None = "length", error: str | None = None) -> Script:
+def answer(model: ServedModel, texts: list[str], finish: str | None = "length", error: str | None = None,
+           error_kind: str = FAILED) -> Script:
     """Sample i streams the tokens of texts[i % len(texts)]; `finish` None leaves it running on the bus."""
     def script(req: Request) -> list[TokenOutput]:
         outs = []
@@ -141,7 +145,7 @@ def answer(model: ServedModel, texts: list[str], finish: str | None = "length", 
                 outs.append(TokenOutput(req.rid, s, i, t, logprob=-0.25 * (i + 1),
                                         top_logprobs=[(t, -0.25 * (i + 1)), (7, -3.0)], finish_reason=end))
         if error is not None:
-            outs.append(TokenOutput(req.rid, -1, 0, 0, finish_reason="error", error=error))
+            outs.append(TokenOutput(req.rid, -1, 0, 0, finish_reason="error", error=error, error_kind=error_kind))
         return outs
     return script
 
@@ -438,10 +442,16 @@ def test_stop_string_cuts_the_text_and_aborts_the_request(base, model, redis_url
     assert all(a.reason == "stop string" for a in aborts(redis_url))
 
 
-def test_a_failed_request_is_a_400_before_any_token_and_an_sse_error_after(base, model):
-    with LiveGateway(base, model, answer(model, [], error="prompt can never fit: 5000 tokens > 4096")) as gw:
-        check_error(gw.post("/v1/completions", json={"prompt": "hi"}), 400, None, "can never fit")
-        check_error(gw.post("/v1/completions", json={"prompt": "hi", "stream": True}), 400, None, "never fit")
+@pytest.mark.parametrize("kind, status", [(REJECTED, 400), (UNAVAILABLE, 503), (FAILED, 500)])
+def test_a_request_ended_before_any_token_gets_the_status_of_its_cause(base, model, kind, status):
+    with LiveGateway(base, model, answer(model, [], error="the scheduler's message", error_kind=kind)) as gw:
+        for stream in (False, True):
+            resp = gw.post("/v1/completions", json={"prompt": "hi", "stream": stream})
+            check_error(resp, status, None, "the scheduler's message")
+            assert (resp.headers.get("Retry-After") == "1") == (kind == UNAVAILABLE)
+
+
+def test_a_request_that_fails_after_tokens_is_a_500_or_a_last_sse_error(base, model):
     with LiveGateway(base, model, answer(model, ["partial text"], finish=None, error="worker lost")) as gw:
         check_error(gw.post("/v1/completions", json={"prompt": "hi"}), 500, None, "worker lost")
         events = sse_events(gw.post("/v1/completions", json={"prompt": "hi", "stream": True}).text)

@@ -5,7 +5,7 @@ import pytest
 
 from sched_sim import SimWorker, drive
 from scheduler.scheduler import FinishedRequest, Scheduler
-from shared.protocol import Request, StepResult, WorkerRegistration
+from shared.protocol import FAILED, REJECTED, UNAVAILABLE, Request, StepResult, WorkerRegistration
 from shared.sampling import SamplingParams
 from shared.settings import Settings
 
@@ -210,7 +210,7 @@ def test_a_prompt_larger_than_the_cache_is_rejected_at_once():
     sched.add_request(request("big", prompt_len=30))
     assert not sched.has_unfinished()
     message = "the request has 30 tokens, which need 4 KV blocks of 8 tokens, but worker w0 holds only 3 blocks"
-    assert sched.pop_finished() == [FinishedRequest("big", "error", message)]
+    assert sched.pop_finished() == [FinishedRequest("big", "error", message, REJECTED)]
 
 
 def test_a_prompt_as_long_as_max_model_len_is_rejected():
@@ -239,6 +239,7 @@ def test_bad_requests_fail_with_a_clear_message(req, message):
     sched.add_request(req)
     (done,) = sched.pop_finished()
     assert done.finish_reason == "error" and message in done.error and not sched.has_unfinished()
+    assert done.error_kind == REJECTED
 
 
 def test_outputs_for_a_sample_that_does_not_exist_are_refused():
@@ -381,7 +382,7 @@ def test_a_failed_step_fails_its_requests():
     sched.apply_result(StepResult("w0", plan.epoch, plan.step_id, [], error="CUDA error: out of memory"))
     done = sched.pop_finished()
     assert [d.rid for d in done] == ["r", "s"]
-    assert all(d.finish_reason == "error" and "out of memory" in d.error for d in done)
+    assert all(d.finish_reason == "error" and "out of memory" in d.error and d.error_kind == FAILED for d in done)
     assert used_blocks(sched) == 0
 
 
@@ -410,7 +411,8 @@ def test_requests_wait_for_a_worker_then_expire():
     sched.expire_waiting(109.0, 10.0)
     assert sched.has_unfinished() and sched.stats(109.0).waiting == 1
     sched.expire_waiting(111.0, 10.0)
-    assert sched.pop_finished() == [FinishedRequest("early", "error", "no worker could take the request within 10 s")]
+    assert sched.pop_finished() == [
+        FinishedRequest("early", "error", "no worker could take the request within 10 s", UNAVAILABLE)]
     sched.add_request(request("late"))
     sched.expire_waiting(200.0, 10.0)
     sched.add_worker(WorkerRegistration("w0", "model", 16, 0, BS, 256, [EOS]))
