@@ -92,6 +92,11 @@ class Scheduler:
     def worker_ids(self) -> list[str]:
         return list(self.workers)
 
+    def in_flight_step(self, worker_id: str) -> int | None:
+        """The step a worker is computing now, if any."""
+        ws = self.workers.get(worker_id)
+        return ws.in_flight_step if ws is not None and ws.in_flight is not None else None
+
     # ---- workers --------------------------------------------------------------------------
     def add_worker(self, reg: WorkerRegistration) -> None:
         """Register a worker; the same registration again is a no-op, a changed one replaces the worker

@@ -50,6 +50,10 @@ class SchedulerService:
         self.entry_ids: dict[str, bytes] = {}  # rid → its entry in the requests stream, acked at the end
         self.registrations: dict[str, WorkerRegistration] = {}  # as the core has them
         self.early_aborts: dict[str, float] = {}  # rid → when its abort came, for requests not seen yet
+        self.plans_sent: dict[str, tuple[int, float]] = {}  # worker → (step id, monotonic time sent)
+        # worker → instance that overran step_timeout: alive by its heartbeat but stuck (a hung GPU, a
+        # deadlock), it gets no plans until a restart registers a new instance
+        self.stalled: dict[str, str] = {}
         self.reread_pending = False
         self.stop_event = asyncio.Event()
         self.pump_lock = asyncio.Lock()
@@ -223,6 +227,7 @@ class SchedulerService:
             for worker_id in self.core.worker_ids:
                 plan = self.core.schedule(worker_id)
                 if plan is not None:
+                    self.plans_sent[worker_id] = (plan.step_id, time.monotonic())
                     commands.append(("xadd", (self.keys.plans(worker_id), {FIELD: encode(plan)}),
                                      {"maxlen": PLANS_MAXLEN, "approximate": True}))
             for done in self.core.pop_finished():
@@ -269,6 +274,10 @@ class SchedulerService:
                 continue
             if is_alive:
                 live[reg.worker_id] = reg
+        # a stalled instance stays out while it lives; once it is gone or replaced, forget it
+        self.stalled = {w: i for w, i in self.stalled.items() if w in live and live[w].instance == i}
+        for worker_id in self.stalled:
+            del live[worker_id]
         for worker_id in list(self.core.worker_ids):
             if worker_id not in live:
                 log.warning("worker %s is gone (heartbeat expired); resuming its requests elsewhere", worker_id)
@@ -286,12 +295,26 @@ class SchedulerService:
                 self.registrations[worker_id] = reg
                 log.info("worker %s joined: %d blocks of %d tokens", worker_id, reg.num_blocks, reg.block_size)
 
+    def _drop_stalled(self) -> None:
+        timeout = self.settings.step_timeout
+        now = time.monotonic()
+        for worker_id, (step_id, sent) in list(self.plans_sent.items()):
+            if self.core.in_flight_step(worker_id) != step_id:
+                del self.plans_sent[worker_id]
+            elif timeout and now - sent > timeout:
+                log.error("worker %s has not finished step %d in %.0f s (step_timeout); moving its requests and "
+                          "sending it nothing until it restarts", worker_id, step_id, now - sent)
+                del self.plans_sent[worker_id]
+                self.core.remove_worker(worker_id)
+                self.stalled[worker_id] = self.registrations.pop(worker_id).instance
+
     async def _tick(self) -> None:
         if not await self.client.eval(_RENEW_LEASE, 1, self.keys.scheduler_lease, self.name, self._lease_ms):
             log.error("another scheduler took the lease; stopping")
             self.failed = True
             self.stop_event.set()
             return
+        self._drop_stalled()
         await self._sync_workers()
         now = time.time()
         for rid, seen in list(self.early_aborts.items()):

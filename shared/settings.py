@@ -52,6 +52,8 @@ class Settings:
     worker_id: str = _opt("", "this worker's id; empty = host name + pid")
     heartbeat_ttl: float = _opt(5.0, "seconds a worker stays alive without refreshing its heartbeat")
     request_timeout: float = _opt(600.0, "seconds a request may wait with no worker before it fails")
+    step_timeout: float = _opt(300.0, "seconds a worker may take over one step before the scheduler gives up on "
+                               "it until it restarts, and moves its requests (0 = wait forever)")
     out_stream_ttl: float = _opt(300.0, "seconds a finished request's token stream is kept")
     # gateway
     host: str = _opt("127.0.0.1", "address the gateway listens on")

@@ -4,8 +4,10 @@ Oracles: the in-process engine (same cores, no Redis) and transformers' own gene
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 import signal
+import threading
 import time
 
 import pytest
@@ -13,6 +15,7 @@ import pytest
 from pagedserve.bus_client import BusClient
 from pagedserve.launcher import Stack
 from shared.keys import FIELD, Keys
+from shared.protocol import encode
 from shared.sampling import SamplingParams
 from shared.settings import Settings
 
@@ -197,3 +200,33 @@ def test_redis_data_loss_recreates_the_consumer_group(redis_url, stack_factory, 
     client.wait(rids, stack=stack)
     assert [client.output(r) for r in rids] == reference(batch)
     assert "creating it again" in stack.log("scheduler")
+
+
+def test_a_worker_stuck_in_a_step_is_dropped_and_its_requests_move(redis_url, stack_factory, reference):
+    """A worker whose heartbeat lives on but whose step never ends (a hung GPU, a deadlock): played here by a
+    registration and heartbeat the test keeps alive, with nothing reading its plans."""
+    stack, client = stack_factory(redis_url, workers=("w0",), step_timeout=2.0)
+    keys = Keys()
+    stuck = dataclasses.replace(client.workers()["w0"], worker_id="stuck", instance="stuck-instance")
+    stop = threading.Event()
+
+    def heartbeat() -> None:
+        while not stop.is_set():
+            client.redis.hset(keys.workers, "stuck", encode(stuck))
+            client.redis.set(keys.heartbeat("stuck"), 1, px=1500)
+            stop.wait(0.3)
+    beating = threading.Thread(target=heartbeat, daemon=True)
+    beating.start()
+    try:
+        client.wait_for(lambda: len(client.stats().workers) == 2, "the scheduler to take the stuck worker")
+        batch = prompts(8, seed=11)
+        rids = [client.submit(p, GREEDY) for p in batch]
+        client.wait(rids, stack=stack)
+        assert [client.output(r) for r in rids] == reference(batch)
+        assert client.redis.xlen(keys.plans("stuck")) >= 1, "some requests were placed on the stuck worker"
+        assert "has not finished step" in stack.log("scheduler")
+        assert "stuck" in client.live_workers()
+        assert [w.worker_id for w in client.settled_stats().workers] == ["w0"], "kept out while it lives"
+    finally:
+        stop.set()
+        beating.join()
