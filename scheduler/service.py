@@ -80,7 +80,10 @@ class SchedulerService:
 
     async def _start(self) -> None:
         await self._acquire_lease()
-        epoch = int(await self.client.incr(self.keys.epoch))
+        # Above the last epoch, and above the wall clock in ms: were Redis to lose the counter (no AOF), a
+        # restarted count would fall below the epoch the workers hold, and they would skip every plan.
+        epoch = max(int(await self.client.incr(self.keys.epoch)), int(time.time() * 1000))
+        await self.client.set(self.keys.epoch, epoch)
         self.core = Scheduler(self.settings, epoch)
         self.registrations = {}
         await self._create_group()

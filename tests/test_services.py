@@ -230,3 +230,19 @@ def test_a_worker_stuck_in_a_step_is_dropped_and_its_requests_move(redis_url, st
     finally:
         stop.set()
         beating.join()
+
+
+def test_a_scheduler_restarted_after_redis_lost_its_data_is_obeyed(redis_url, stack_factory, reference):
+    """Without AOF a Redis restart loses the epoch counter; the workers, still holding the old epoch, must
+    not take the new scheduler's plans for stale ones."""
+    stack, client = stack_factory(redis_url)
+    warm = prompts(2, seed=12)
+    client.wait([client.submit(p, GREEDY) for p in warm], stack=stack)  # the workers now hold the epoch
+    client.redis.flushall()
+    stack.kill("scheduler")
+    stack.start_scheduler("scheduler-2")
+    client.wait_for(lambda: len(client.live_workers()) == 2, "workers to register again", stack=stack)
+    batch = prompts(4, seed=13)
+    rids = [client.submit(p, GREEDY) for p in batch]
+    client.wait(rids, stack=stack)
+    assert [client.output(r) for r in rids] == reference(batch)
