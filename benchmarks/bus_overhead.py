@@ -21,6 +21,9 @@ from shared.sampling import SamplingParams
 from shared.settings import Settings
 
 
+MODES = ("sync", "async")
+
+
 @dataclass(slots=True)
 class Run:
     tokens: int
@@ -95,41 +98,54 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
 
-    from pagedserve.bus_client import BusClient
-    from pagedserve.launcher import Stack, ensure_model
+    from pagedserve.launcher import ensure_model
 
     settings = ensure_model(Settings(model=args.model, log_level="warning"))
-    stack = Stack(settings)
-    url = stack.start_redis(0)
-    if url is None:
-        return 1
-    stack.settings = settings.replace(redis_url=url)
+    stacks = {}
     rows = []
     try:
-        stack.start_services(1, gateway=False)
-        client = BusClient(url)
-        client.wait_for(lambda: (s := client.stats()) is not None and len(s.workers) == 1, "the worker", 120, stack)
+        for mode in MODES:  # both stacks up at once, so that each level measures all three back to back
+            stacks[mode] = start_stack(settings.replace(async_scheduling=mode == "async"))
         for level in levels:
             prompts = trace(args.requests or max(8, 2 * level), args.prompt_len, seed=level)
             engine = run_engine(settings, prompts, params, level)
-            services = run_services(client, prompts, params, level)
+            services = {mode: run_services(client, prompts, params, level) for mode, (_, client) in stacks.items()}
             rows.append((level, engine, services))
-            print(f"concurrency {level}: engine {engine.tokens_per_s:.0f} tok/s, "
-                  f"services {services.tokens_per_s:.0f} tok/s", file=sys.stderr, flush=True)
+            print(f"concurrency {level}: engine {engine.tokens_per_s:.0f} tok/s, services "
+                  + ", ".join(f"{m} {r.tokens_per_s:.0f} tok/s" for m, r in services.items()), file=sys.stderr,
+                  flush=True)
     finally:
-        stack.stop()
+        for stack, _ in stacks.values():
+            stack.stop()
 
     print(f"\nBus overhead: {Path(settings.model).name}, prompt {args.prompt_len}, output {args.output_len} tokens, "
-          "1 worker\n")
-    print("| concurrency | engine tok/s | services tok/s | services / engine | engine ms/step | services ms/step "
-          "| added ms/step |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+          "1 worker; services with the next step planned after the last one's result (sync) or while it runs "
+          "(async, the default)\n")
+    print("| concurrency | engine tok/s | sync tok/s | async tok/s | sync / engine | async / engine "
+          "| engine ms/step | sync ms/step | async ms/step |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for level, engine, services in rows:
-        print(f"| {level} | {engine.tokens_per_s:.0f} | {services.tokens_per_s:.0f} | "
-              f"{services.tokens_per_s / engine.tokens_per_s:.1%} | {engine.step_ms:.1f} | {services.step_ms:.1f} | "
-              f"{services.step_ms - engine.step_ms:+.1f} |")
+        sync, fast = services["sync"], services["async"]
+        print(f"| {level} | {engine.tokens_per_s:.0f} | {sync.tokens_per_s:.0f} | {fast.tokens_per_s:.0f} | "
+              f"{sync.tokens_per_s / engine.tokens_per_s:.1%} | {fast.tokens_per_s / engine.tokens_per_s:.1%} | "
+              f"{engine.step_ms:.1f} | {sync.step_ms:.1f} | {fast.step_ms:.1f} |")
     return 0
 
+
+def start_stack(settings: Settings):
+    """Redis, the scheduler and one worker; the stack and a bus client, once the worker has joined."""
+    from pagedserve.bus_client import BusClient
+    from pagedserve.launcher import Stack
+
+    stack = Stack(settings)
+    url = stack.start_redis(0)
+    if url is None:
+        raise SystemExit(1)
+    stack.settings = settings.replace(redis_url=url)
+    stack.start_services(1, gateway=False)
+    client = BusClient(url)
+    client.wait_for(lambda: (s := client.stats()) is not None and len(s.workers) == 1, "the worker", 120, stack)
+    return stack, client
 
 if __name__ == "__main__":
     sys.exit(main())

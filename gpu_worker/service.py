@@ -2,7 +2,8 @@
 
 Registers, keeps a heartbeat alive from a thread (a long step must not look like a death), reads its
 plan stream, executes each plan and publishes every sampled token to `out:{rid}` plus the step
-result in one MULTI/EXEC round trip, so the scheduler's view and the clients' streams never diverge.
+result in one MULTI/EXEC round trip, so the scheduler's view and the clients' streams never diverge;
+the same round trip fetches the next plan when the scheduler has already sent it.
 """
 from __future__ import annotations
 
@@ -83,21 +84,22 @@ class WorkerService:
         stream = self.keys.plans(self.worker_id)
         last_id = "0-0"
         backoff = Backoff()
+        entries: list = []  # read, not yet run
         try:
             while not self.stop_event.is_set():
-                try:
-                    reply = self.reader.xread({stream: last_id}, count=1, block=BLOCK_MS)
-                    backoff.reset()
-                except RECONNECT_ERRORS as e:
-                    log.warning("reading plans failed, reconnecting: %s", e)
-                    time.sleep(backoff.next())
+                if not entries:
+                    try:
+                        entries = _entries(self.reader.xread({stream: last_id}, count=1, block=BLOCK_MS))
+                        backoff.reset()
+                    except RECONNECT_ERRORS as e:
+                        log.warning("reading plans failed, reconnecting: %s", e)
+                        time.sleep(backoff.next())
                     continue
-                for _, entries in reply:
-                    for entry_id, fields in entries:
-                        last_id = entry_id
-                        plan = decode_entry(stream, entry_id, fields, StepPlan)
-                        if plan is not None and self._is_new(plan):
-                            self._publish(self._execute(plan))
+                entry_id, fields = entries.pop(0)
+                last_id = entry_id
+                plan = decode_entry(stream, entry_id, fields, StepPlan)
+                if plan is not None and self._is_new(plan):
+                    entries = self._publish(self._execute(plan), stream, last_id)
         finally:
             self.stop_event.set()
             self.deregister()
@@ -119,10 +121,12 @@ class WorkerService:
             log.exception("step %d failed", plan.step_id)
             return StepResult(self.worker_id, plan.epoch, plan.step_id, error=f"{type(e).__name__}: {e}")
 
-    def _publish(self, result: StepResult) -> None:
+    def _publish(self, result: StepResult, stream: str, last_id: bytes) -> list:
+        """Publish a step's tokens and result; in the same round trip, the plans already waiting after it
+        (with async scheduling the next one usually is)."""
         keep_ms = int((self.settings.request_timeout + self.settings.out_stream_ttl) * 1000)
 
-        def publish() -> None:
+        def publish() -> list:
             pipe = self.client.pipeline(transaction=True)
             for out in result.outputs:
                 key = self.keys.out(out.rid)
@@ -131,8 +135,14 @@ class WorkerService:
                     pipe.pexpire(key, keep_ms)
             pipe.xadd(self.keys.results, {FIELD: encode(result)}, maxlen=RESULTS_MAXLEN, approximate=True)
             pipe.set(self.keys.heartbeat(self.worker_id), 1, px=self._ttl_ms)
-            pipe.execute()
-        retry(publish, f"publishing step {result.step_id}", self.stop_event)
+            pipe.xread({stream: last_id}, count=1)
+            return _entries(pipe.execute()[-1])
+        return retry(publish, f"publishing step {result.step_id}", self.stop_event) or []
+
+
+def _entries(reply) -> list:
+    """The (entry id, fields) pairs of an XREAD reply."""
+    return [entry for _, entries in reply or () for entry in entries]
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="pagedserve worker", description="pagedserve GPU worker service")

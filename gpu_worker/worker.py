@@ -70,13 +70,15 @@ class Worker:
                 seq.block_table = list(item.block_table)
             else:
                 seq.block_table.extend(item.new_block_ids)
-            chunks.append((seq, item.num_computed_tokens, item.num_new_tokens))
+            if not seq.finished:
+                chunks.append((seq, item.num_computed_tokens, item.num_new_tokens))
         outputs = []
         for seq, sampled in self.runner.execute(chunks, self.eos_token_ids):
             output_index = seq.num_output_tokens
             seq.token_ids.append(sampled.token_id)
             reason = finish_reason(seq.params, seq.output_token_ids, len(seq.token_ids), reg.max_model_len,
                                    self.eos_token_ids)
+            seq.finished = reason is not None
             outputs.append(TokenOutput(seq.rid, seq.sample_index, output_index, sampled.token_id, sampled.logprob,
                                        sampled.top_logprobs, reason))
         return StepResult(reg.worker_id, plan.epoch, plan.step_id, outputs)

@@ -24,10 +24,22 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV is in the cache
     sent: bool = False  # the worker has its NewSequence
     table_stale: bool = False  # the worker's block table must be replaced (after swap-in)
+    # Work in plans not yet answered (async scheduling plans a step while the worker runs the last one):
+    num_in_flight: int = 0  # tokens being computed
+    samples_in_flight: int = 0  # 1 while a plan in flight samples this sequence's next token
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_scheduled(self) -> int:
+        """Tokens whose KV will be in the cache once the plans in flight are done."""
+        return self.num_computed + self.num_in_flight
+
+    @property
+    def busy(self) -> bool:
+        return self.num_in_flight > 0 or self.samples_in_flight > 0
 
 
 @dataclass(slots=True, eq=False)

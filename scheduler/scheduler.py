@@ -8,6 +8,13 @@ above the watermark, and new requests wait while a preempted one cannot resume. 
 request needs a block and none is free, the latest-arrived request is preempted, all its sequences
 together, by recompute or by swap. Plans are deltas against the worker's cached state (the contract
 in shared/protocol.py).
+
+With `async_scheduling`, a worker has up to two plans in flight: the step it computes and a lookahead,
+the next step planned from what the first will leave (each sequence it samples one token further, the
+token still unknown). The worker runs them in order and results come back in order, so blocks freed
+meanwhile are reused only by later plans. A sequence in flight cannot be preempted (its token would
+still come), so a lookahead that would preempt stops short, and the worker's pipeline drains before
+the full step that does.
 """
 from __future__ import annotations
 
@@ -38,10 +45,17 @@ class FinishedRequest:
 
 @dataclass(slots=True)
 class Scheduled:
-    """One sequence's share of the plan in flight."""
+    """One sequence's share of a plan in flight."""
     rs: RequestState
     seq: Sequence
     num_new: int
+    samples: bool  # the chunk reaches the sequence's end: the worker samples a token
+
+
+@dataclass(slots=True)
+class InFlight:
+    step_id: int
+    entries: list[Scheduled]
 
 
 @dataclass(slots=True)
@@ -52,8 +66,8 @@ class WorkerState:
     preempted: list[RequestState] = field(default_factory=list)  # recompute or swapped; arrival order
     running: list[RequestState] = field(default_factory=list)  # arrival order
     finished_seqs: list[int] = field(default_factory=list)  # for the next plan's `finished`
-    in_flight: list[Scheduled] | None = None
-    in_flight_step: int = -1
+    in_flight: list[InFlight] = field(default_factory=list)  # oldest first; at most two
+    drain: bool = False  # a lookahead plan met what only a full step can do: plan again once none is in flight
 
     @property
     def num_running_seqs(self) -> int:
@@ -72,6 +86,8 @@ class StepBuilder:
     entries: list[Scheduled] = field(default_factory=list)
     preempted: bool = False
     running_seqs: int = 0  # live sequences of the worker's running requests, kept during admission
+    lookahead: bool = False  # built while another plan is in flight
+    blocked: bool = False  # a running request is short of blocks: stop here and let a full step decide
 
 
 class Scheduler:
@@ -95,7 +111,7 @@ class Scheduler:
     def in_flight_step(self, worker_id: str) -> int | None:
         """The step a worker is computing now, if any."""
         ws = self.workers.get(worker_id)
-        return ws.in_flight_step if ws is not None and ws.in_flight is not None else None
+        return ws.in_flight[0].step_id if ws is not None and ws.in_flight else None
 
     # ---- workers --------------------------------------------------------------------------
     def add_worker(self, reg: WorkerRegistration) -> None:
@@ -258,26 +274,30 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------
     def schedule(self, worker_id: str) -> StepPlan | None:
+        """The worker's next step, or None; with one plan in flight, its lookahead (see the module's notes)."""
         ws = self.workers.get(worker_id)
-        if ws is None or ws.in_flight is not None:
+        if ws is None:
+            return None
+        lookahead = bool(ws.in_flight)
+        if lookahead and (len(ws.in_flight) > 1 or ws.drain or not self.settings.async_scheduling):
             return None
         step = StepBuilder(StepPlan(worker_id, self.epoch, next(self._step_ids)),
-                           self.settings.max_num_batched_tokens, self.settings.max_num_seqs)
+                           self.settings.max_num_batched_tokens, self.settings.max_num_seqs, lookahead=lookahead)
         for rs in list(ws.running):
-            if step.budget == 0 or step.seqs_left == 0:
+            if step.budget == 0 or step.seqs_left == 0 or step.blocked:
                 break
             if rs.status is Status.RUNNING:
                 self._schedule_request(ws, rs, step, may_preempt=True)
-        if not step.preempted or not ws.running:  # (with nothing left running there is nothing to thrash)
+        if not step.blocked and (not step.preempted or not ws.running):  # (nothing left running: nothing to thrash)
             self._admit_from(ws, ws.preempted, step)
             if not ws.preempted:
                 self._admit_from(ws, ws.waiting, step)
+        ws.drain = step.blocked
         plan = step.plan
         if not (step.entries or plan.swap_out or plan.swap_in or plan.copies):
             return None
         plan.finished, ws.finished_seqs = ws.finished_seqs, []
-        ws.in_flight_step = plan.step_id
-        ws.in_flight = step.entries
+        ws.in_flight.append(InFlight(plan.step_id, step.entries))
         return plan
 
     def _reserve(self, ws: WorkerState, rs: RequestState) -> int:
@@ -295,22 +315,33 @@ class Scheduler:
         for seq in rs.seqs:
             if budget == 0 or seqs_left == 0:
                 break
-            target = seq.num_tokens if rs.fork_at is None else rs.fork_at
-            num_new = min(target - seq.num_computed, budget)
+            if seq.samples_in_flight and self._ends_by_length(rs, seq):
+                continue  # its token in flight is its last
+            target = seq.num_tokens + seq.samples_in_flight if rs.fork_at is None else rs.fork_at
+            num_new = min(target - seq.num_scheduled, budget)
             if num_new > 0:
                 items.append((seq, num_new))
                 budget -= num_new
                 seqs_left -= 1
         return items
 
+    def _ends_by_length(self, rs: RequestState, seq: Sequence) -> bool:
+        """Whether the token sampled in flight is sure to end the sequence (max_tokens or max_model_len)."""
+        ws = self.workers[rs.worker_id]
+        return (len(seq.output) + 1 >= rs.req.params.max_tokens
+                or seq.num_tokens + 1 >= ws.reg.max_model_len)
+
     def _schedule_request(self, ws: WorkerState, rs: RequestState, step: StepBuilder, may_preempt: bool) -> None:
-        if rs.fork_at is not None and rs.seqs[0].num_computed == rs.fork_at:
+        if rs.fork_at is not None and rs.seqs[0].num_computed == rs.fork_at and not rs.seqs[0].busy:
             self._fork(rs, ws)
         items = self._chunks(rs, step)
         if not items:
             return
         reserve = self._reserve(ws, rs)
-        while ws.kv.blocks_needed([(s.seq_id, s.num_computed, n, reserve) for s, n in items]) > ws.kv.num_free:
+        while ws.kv.blocks_needed([(s.seq_id, s.num_scheduled, n, reserve) for s, n in items]) > ws.kv.num_free:
+            if may_preempt and step.lookahead:  # the pipeline drains; a full step decides
+                step.blocked = True
+                return
             victim = ws.running[-1]
             if may_preempt and len(ws.running) > 1:
                 self._preempt(ws, victim, step)
@@ -328,21 +359,25 @@ class Scheduler:
 
     def _add(self, ws: WorkerState, rs: RequestState, seq: Sequence, num_new: int, reserve: int,
              step: StepBuilder) -> None:
-        new_ids, copies = ws.kv.allocate(seq.seq_id, seq.num_computed, num_new, reserve)
+        start = seq.num_scheduled
+        new_ids, copies = ws.kv.allocate(seq.seq_id, start, num_new, reserve)
         plan = step.plan
         plan.copies.extend(copies)
         if not seq.sent:
             plan.new_sequences.append(NewSequence(seq.seq_id, rs.rid, seq.sample_index, list(rs.prompt),
                                                   list(seq.output), rs.req.params))
             seq.sent = True
-            sched = ScheduledSequence(seq.seq_id, seq.num_computed, num_new, ws.kv.block_ids(seq.seq_id))
+            sched = ScheduledSequence(seq.seq_id, start, num_new, ws.kv.block_ids(seq.seq_id))
         elif copies or seq.table_stale:
-            sched = ScheduledSequence(seq.seq_id, seq.num_computed, num_new, [], ws.kv.block_ids(seq.seq_id))
+            sched = ScheduledSequence(seq.seq_id, start, num_new, [], ws.kv.block_ids(seq.seq_id))
         else:
-            sched = ScheduledSequence(seq.seq_id, seq.num_computed, num_new, new_ids)
+            sched = ScheduledSequence(seq.seq_id, start, num_new, new_ids)
         seq.table_stale = False
         plan.scheduled.append(sched)
-        step.entries.append(Scheduled(rs, seq, num_new))
+        samples = start + num_new == seq.num_tokens + seq.samples_in_flight
+        seq.num_in_flight += num_new
+        seq.samples_in_flight += samples
+        step.entries.append(Scheduled(rs, seq, num_new, samples))
         step.budget -= num_new
         step.seqs_left -= 1
 
@@ -455,11 +490,12 @@ class Scheduler:
 
     # ---- results --------------------------------------------------------------------------
     def apply_result(self, result: StepResult) -> None:
+        """Take the result of the worker's oldest plan in flight (results come back in plan order)."""
         ws = self.workers.get(result.worker_id)
-        if (ws is None or ws.in_flight is None or result.epoch != self.epoch
-                or result.step_id != ws.in_flight_step):
+        if (ws is None or not ws.in_flight or result.epoch != self.epoch
+                or result.step_id != ws.in_flight[0].step_id):
             return
-        entries, ws.in_flight = ws.in_flight, None
+        entries = ws.in_flight.pop(0).entries
         if result.error is not None:
             for rs in {id(e.rs): e.rs for e in entries}.values():
                 if rs.status is Status.RUNNING:
@@ -467,12 +503,14 @@ class Scheduler:
             return
         sampled: dict[tuple[str, int], Scheduled] = {}
         for e in entries:
-            if e.rs.status is not Status.RUNNING:
-                continue  # aborted while in flight
             seq = e.seq
+            if e.rs.status is not Status.RUNNING or seq not in e.rs.seqs:
+                continue  # aborted, or its sample ended, while in flight
             seq.num_computed += e.num_new
+            seq.num_in_flight -= e.num_new
             ws.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed)
-            if seq.num_computed == seq.num_tokens:
+            if e.samples:
+                seq.samples_in_flight -= 1
                 sampled[(e.rs.rid, seq.sample_index)] = e
         for out in result.outputs:
             if out.sample_index < 0:
@@ -485,7 +523,12 @@ class Scheduler:
                 continue
             self._append_token(ws, e.rs, e.seq, out.token_id)
         for e in sampled.values():
-            if e.rs.status is Status.RUNNING:
+            if e.rs.status is not Status.RUNNING:
+                continue
+            if e.seq.busy:  # a later plan in flight builds on the token that did not come
+                self._fail(e.rs, FAILED, f"worker {ws.reg.worker_id} returned no token for sample "
+                                         f"{e.seq.sample_index} in step {result.step_id}")
+            else:
                 e.seq.num_computed = e.seq.num_tokens - 1  # no token came back: sample that position again
 
     def _append_token(self, ws: WorkerState, rs: RequestState, seq: Sequence, token_id: int) -> None:

@@ -2,7 +2,8 @@
 
 One asyncio loop, three blocking readers (requests through the consumer group, control, results),
 each on its own connection, and a housekeeping tick (lease, worker liveness, timeouts, stats). Every
-event ends in `pump()`: plan each idle worker's next step and settle finished requests. A request is
+event ends in `pump()`: plan each worker's next steps (with async scheduling, the step after the one
+it computes too) and settle finished requests. A request is
 acknowledged only once it has ended, so a scheduler that dies leaves it pending for the next one.
 """
 from __future__ import annotations
@@ -50,7 +51,7 @@ class SchedulerService:
         self.entry_ids: dict[str, bytes] = {}  # rid → its entry in the requests stream, acked at the end
         self.registrations: dict[str, WorkerRegistration] = {}  # as the core has them
         self.early_aborts: dict[str, float] = {}  # rid → when its abort came, for requests not seen yet
-        self.plans_sent: dict[str, tuple[int, float]] = {}  # worker → (step id, monotonic time sent)
+        self.oldest_steps: dict[str, tuple[int, float]] = {}  # worker → (its oldest step in flight, seen since)
         # worker → instance that overran step_timeout: alive by its heartbeat but stuck (a hung GPU, a
         # deadlock), it gets no plans until a restart registers a new instance
         self.stalled: dict[str, str] = {}
@@ -228,9 +229,7 @@ class SchedulerService:
         async with self.pump_lock:
             commands: list[tuple[str, tuple, dict]] = []
             for worker_id in self.core.worker_ids:
-                plan = self.core.schedule(worker_id)
-                if plan is not None:
-                    self.plans_sent[worker_id] = (plan.step_id, time.monotonic())
+                while (plan := self.core.schedule(worker_id)) is not None:  # a step, then its lookahead
                     commands.append(("xadd", (self.keys.plans(worker_id), {FIELD: encode(plan)}),
                                      {"maxlen": PLANS_MAXLEN, "approximate": True}))
             for done in self.core.pop_finished():
@@ -301,15 +300,21 @@ class SchedulerService:
     def _drop_stalled(self) -> None:
         timeout = self.settings.step_timeout
         now = time.monotonic()
-        for worker_id, (step_id, sent) in list(self.plans_sent.items()):
-            if self.core.in_flight_step(worker_id) != step_id:
-                del self.plans_sent[worker_id]
-            elif timeout and now - sent > timeout:
+        oldest: dict[str, tuple[int, float]] = {}
+        for worker_id in self.core.worker_ids:
+            step_id = self.core.in_flight_step(worker_id)
+            if step_id is None:
+                continue
+            seen = self.oldest_steps.get(worker_id)
+            since = seen[1] if seen is not None and seen[0] == step_id else now
+            if timeout and now - since > timeout:
                 log.error("worker %s has not finished step %d in %.0f s (step_timeout); moving its requests and "
-                          "sending it nothing until it restarts", worker_id, step_id, now - sent)
-                del self.plans_sent[worker_id]
+                          "sending it nothing until it restarts", worker_id, step_id, now - since)
                 self.core.remove_worker(worker_id)
                 self.stalled[worker_id] = self.registrations.pop(worker_id).instance
+            else:
+                oldest[worker_id] = (step_id, since)
+        self.oldest_steps = oldest
 
     async def _tick(self) -> None:
         if not await self.client.eval(_RENEW_LEASE, 1, self.keys.scheduler_lease, self.name, self._lease_ms):

@@ -44,6 +44,8 @@ class Settings:
     max_num_batched_tokens: int = _opt(2048, "token budget of one step (prefill chunks + decode tokens)")
     preemption_mode: str = _opt("recompute", "what to do with a preempted request's KV blocks", ("recompute", "swap"))
     watermark: float = _opt(0.01, "share of blocks kept free when admitting new requests")
+    async_scheduling: bool = _opt(True, "plan a worker's next step while it computes the current one, so that "
+                                  "it never waits for the scheduler")
     kv_reservation: str = _opt("paged", "benchmark-only baseline: 'max_model_len' reserves a whole max_model_len "
                                "of blocks per sequence at admission (Orca-style); 'paged' allocates on demand",
                                ("paged", "max_model_len"))

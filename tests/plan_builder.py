@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from shared.protocol import NewSequence, ScheduledSequence, StepPlan, StepResult
 from shared.sampling import SamplingParams
 
+# Greedy and unbounded, so that a sequence ends only where a test says (the oracle ignores EOS too).
+GREEDY = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
+
 
 @dataclass
 class Seq:
@@ -74,8 +77,7 @@ class PlanBuilder:
             cached_blocks: int = 0) -> Seq:
         """A new sequence; with `prefix_of`, its first `cached_blocks` blocks are a prefix-cache hit on that one's."""
         seq_id = next(self._seq_ids)
-        seq = Seq(seq_id, rid or f"r{seq_id}", sample_index, list(prompt), params or SamplingParams(temperature=0.0),
-                  list(outputs or []))
+        seq = Seq(seq_id, rid or f"r{seq_id}", sample_index, list(prompt), params or GREEDY, list(outputs or []))
         if prefix_of is not None:
             assert prefix_of.tokens[:cached_blocks * self.block_size] == seq.tokens[:cached_blocks * self.block_size]
             seq.blocks = prefix_of.blocks[:cached_blocks]
@@ -168,9 +170,10 @@ def step(worker, builder: PlanBuilder) -> StepResult:
 
 
 def run_until(worker, builder: PlanBuilder, seqs: list[Seq], num_outputs: int) -> None:
-    """Step every sequence (whole remaining prompt, then one token a step) until each has `num_outputs`."""
+    """Step every sequence (whole remaining prompt, then one token a step) until each has `num_outputs` or
+    has finished."""
     while True:
-        pending = [s for s in seqs if len(s.outputs) < num_outputs]
+        pending = [s for s in seqs if len(s.outputs) < num_outputs and not (s.finish_reasons and s.finish_reasons[-1])]
         if not pending:
             return
         for seq in pending:

@@ -24,6 +24,7 @@ class SimSequence:
     tokens: list[int]
     num_outputs: int
     table: list[int] = field(default_factory=list)
+    finished: bool = False  # as the real worker: a lookahead planned before the finish was known skips it
 
 
 class SimWorker:
@@ -66,12 +67,16 @@ class SimWorker:
                                                 new.prompt_token_ids + new.output_token_ids,
                                                 len(new.output_token_ids))
         written: set[int] = set()
+        computed = []
         for sched in plan.scheduled:
             seq = self.seqs[sched.seq_id]
             if sched.block_table is not None:
                 seq.table = list(sched.block_table)
             else:
                 seq.table.extend(sched.new_block_ids)
+            if seq.finished:
+                continue
+            computed.append(sched)
             end = sched.num_computed_tokens + sched.num_new_tokens
             assert sched.num_new_tokens > 0 and end <= len(seq.tokens)
             assert len(seq.table) * bs >= end, "the table covers every position computed"
@@ -82,7 +87,7 @@ class SimWorker:
                 written.add(slot)
                 self.slots[slot] = tuple(seq.tokens[:p + 1])
         outputs = []
-        for sched in plan.scheduled:
+        for sched in computed:
             seq = self.seqs[sched.seq_id]
             end = sched.num_computed_tokens + sched.num_new_tokens
             for p in range(end):
@@ -95,6 +100,7 @@ class SimWorker:
                 seq.num_outputs += 1
                 reason = finish_reason(seq.params, seq.tokens[len(seq.tokens) - seq.num_outputs:], len(seq.tokens),
                                        self.reg.max_model_len, self.reg.eos_token_ids)
+                seq.finished = reason is not None
                 outputs.append(TokenOutput(seq.rid, seq.sample_index, seq.num_outputs - 1, token,
                                            finish_reason=reason))
         return StepResult(self.reg.worker_id, plan.epoch, plan.step_id, outputs)

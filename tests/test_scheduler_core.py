@@ -322,7 +322,7 @@ def test_re_registering_a_worker_is_a_no_op_and_a_changed_one_starts_over():
 
 # ---- the plan in flight, aborts, failures, restarts -------------------------------------------
 def test_one_plan_in_flight_and_stale_results_are_ignored():
-    sched, sims = make()
+    sched, sims = make(async_scheduling=False)
     sched.add_request(request("r", max_tokens=4))
     plan = sched.schedule("w0")
     assert sched.schedule("w0") is None
@@ -339,8 +339,74 @@ def test_one_plan_in_flight_and_stale_results_are_ignored():
     assert sched.schedule("w0").step_id == plan.step_id + 1
 
 
-def test_a_missing_token_is_sampled_again():
+def test_a_lookahead_plans_the_next_token_while_the_step_runs():
     sched, sims = make()
+    sched.add_request(request("r", max_tokens=3))
+    first = sched.schedule("w0")
+    ahead = sched.schedule("w0")
+    assert sched.schedule("w0") is None, "two plans in flight at most"
+    assert [(s.num_computed_tokens, s.num_new_tokens, s.new_block_ids) for s in ahead.scheduled] == [(8, 1, [2])]
+    results = [sims["w0"].execute(first), sims["w0"].execute(ahead)]
+    sched.apply_result(results[1])
+    assert sched.requests["r"].outputs == [[]], "results are taken in plan order"
+    for result in results:
+        sched.apply_result(result)
+    third = sched.schedule("w0")
+    assert [(s.num_computed_tokens, s.num_new_tokens) for s in third.scheduled] == [(9, 1)]
+    assert sched.schedule("w0") is None, "its token in flight is the last (max_tokens=3): no lookahead"
+    results.append(sims["w0"].execute(third))
+    sched.apply_result(results[-1])
+    assert sched.pop_finished() == [FinishedRequest("r", "length")] and used_blocks(sched) == 0
+    assert [out.token_id for result in results for out in result.outputs] == [pick("r", 0, i) for i in range(3)]
+
+
+def test_a_sample_that_stops_in_flight_is_skipped_by_the_lookahead_and_freed():
+    eos_at_1 = lambda rid, sample, index: EOS if index == 1 else pick(rid, sample, index)  # noqa: E731
+    sched, sims = make()
+    sims["w0"].pick = eos_at_1
+    sched.add_request(request("r", max_tokens=10))
+    plans = [sched.schedule("w0"), sched.schedule("w0")]
+    results = [sims["w0"].execute(p) for p in plans]
+    sched.apply_result(results[0])
+    plans.append(sched.schedule("w0"))
+    results.append(sims["w0"].execute(plans[2]))
+    sched.apply_result(results[1])
+    assert [out.token_id for out in results[1].outputs] == [EOS]
+    assert sched.pop_finished() == [FinishedRequest("r", "stop")] and used_blocks(sched) == 0
+    assert results[2].outputs == [], "the worker knew the sample had stopped"
+    sched.apply_result(results[2])
+    assert not sched.has_unfinished() and sched.schedule("w0") is None
+
+
+def test_an_abort_with_a_lookahead_in_flight_frees_everything():
+    sched, sims = make()
+    sched.add_request(request("r", prompt_len=20, max_tokens=50))
+    plans = [sched.schedule("w0"), sched.schedule("w0")]
+    sched.abort("r")
+    assert used_blocks(sched) == 0
+    for plan in plans:
+        sched.apply_result(sims["w0"].execute(plan))
+    assert sched.pop_finished() == [FinishedRequest("r", "abort")] and not sched.has_unfinished()
+
+
+def test_a_lookahead_never_preempts_it_drains_the_pipeline_for_a_full_step():
+    # 3 usable blocks of 8: two 8-token prompts, each needs a second block for its first generated token
+    sched, sims = make(num_blocks=4, enable_prefix_caching=False)
+    sched.add_request(request("a", max_tokens=20))
+    sched.add_request(request("b", max_tokens=20))
+    first = sched.schedule("w0")
+    assert len(first.scheduled) == 2 and used_blocks(sched) == 2
+    ahead = sched.schedule("w0")
+    assert [s.seq_id for s in ahead.scheduled] == [first.scheduled[0].seq_id], "a gets the last block; b would preempt"
+    assert sched.num_preemptions == 0
+    for plan in (first, ahead):
+        sched.apply_result(sims["w0"].execute(plan))
+    full = sched.schedule("w0")
+    assert sched.num_preemptions == 1 and [s.seq_id for s in full.scheduled] == [first.scheduled[0].seq_id]
+
+
+def test_a_missing_token_is_sampled_again():
+    sched, sims = make(async_scheduling=False)
     sched.add_request(request("r", max_tokens=2))
     plan = sched.schedule("w0")
     sims["w0"].execute(plan)

@@ -37,14 +37,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         caching=st.booleans(),
         watermark=st.sampled_from([0.0, 0.1]),
         reservation=st.sampled_from(["paged", "paged", "max_model_len"]),
+        lookahead=st.booleans(),
         specs=st.lists(worker_spec, min_size=1, max_size=2),
     )
-    def setup(self, budget, max_seqs, mode, caching, watermark, reservation, specs):
+    def setup(self, budget, max_seqs, mode, caching, watermark, reservation, lookahead, specs):
         self.sched = Scheduler(Settings(block_size=BS, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                                         preemption_mode=mode, enable_prefix_caching=caching, watermark=watermark,
-                                        kv_reservation=reservation), epoch=7)
+                                        kv_reservation=reservation, async_scheduling=lookahead), epoch=7)
         self.sims: dict[str, SimWorker] = {}
-        self.pending = {}
+        # worker → results of the plans it has run, oldest first, not yet applied: the plans in flight
+        self.pending: dict[str, list] = {}
         self.requests: dict[str, Request] = {}
         self.record: dict[str, list[list[int]]] = {}
         self.aborted: set[str] = set()
@@ -79,8 +81,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self, data, index):
         wid = self._worker(index)
         plan = self.sched.schedule(wid)
-        if wid in self.pending:
-            assert plan is None, "one plan in flight per worker"
+        in_flight = len(self.pending.get(wid, ()))
+        if in_flight and (in_flight > 1 or not self.sched.settings.async_scheduling):
+            assert plan is None, "at most two plans in flight, and one without async scheduling"
             return
         if plan is None:
             return
@@ -94,27 +97,30 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert new.prompt_token_ids == req.prompt_token_ids
             assert new.output_token_ids == self.record[new.rid][new.sample_index], "generated tokens are kept"
         event(f"plan: copies={bool(plan.copies)} swap_out={bool(plan.swap_out)} swap_in={bool(plan.swap_in)}")
+        event(f"plan: lookahead={in_flight > 0}")
         self.draw_token = lambda: data.draw(st.sampled_from([EOS] + VOCAB), label="token")
-        self.pending[wid] = self.sims[wid].execute(plan)
+        self.pending.setdefault(wid, []).append(self.sims[wid].execute(plan))
 
     @rule(data=st.data(), steps=st.integers(1, 8))
     def run(self, data, steps):
-        """Several whole steps on every worker (schedule, execute, apply), so that requests progress."""
+        """Several steps on every worker, so that requests progress: plan as the service does (a step and,
+        with async scheduling, its lookahead), then take the oldest result."""
         for _ in range(steps):
             for index in range(len(self.sched.worker_ids)):
                 wid = self._worker(index)
-                if wid in self.pending:
-                    self._apply(self.pending.pop(wid))
                 self.step(data, index)
-                if wid in self.pending:
-                    self._apply(self.pending.pop(wid))
+                self.step(data, index)
+                self._apply_oldest(wid)
 
     @rule(index=st.integers(0, 1))
     def result(self, index):
-        if not self.pending:
-            return
-        wid = sorted(self.pending)[index % len(self.pending)]
-        self._apply(self.pending.pop(wid))
+        busy = sorted(w for w, results in self.pending.items() if results)
+        if busy:
+            self._apply_oldest(busy[index % len(busy)])
+
+    def _apply_oldest(self, wid: str) -> None:
+        if self.pending.get(wid):
+            self._apply(self.pending[wid].pop(0))
 
     def _apply(self, result) -> None:
         before = {out.rid: self.sched.requests.get(out.rid) for out in result.outputs}
@@ -205,8 +211,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                 break
             planned = False
             for wid in self.sched.worker_ids:
-                if wid in self.pending:
-                    self._apply(self.pending.pop(wid))
+                while self.pending.get(wid):
+                    self._apply_oldest(wid)
                 plan = self.sched.schedule(wid)
                 if plan is not None:
                     planned = True

@@ -142,7 +142,7 @@ def test_copy_on_write_fork_greedy(model):
     model_dir, hf = model
     worker, builder = make_worker(model_dir)
     (prompt,) = prompts([21], seed=10)
-    samples, copies = fork_run(worker, builder, prompt, SamplingParams(n=3, temperature=0.0), 3, NEW)
+    samples, copies = fork_run(worker, builder, prompt, SamplingParams(n=3, temperature=0.0, max_tokens=NEW, ignore_eos=True), 3, NEW)
     assert len(copies) == 2  # two writers copy, the last one writes the block in place
     assert all(s.outputs == hf.greedy(prompt, NEW) for s in samples)
 
@@ -150,7 +150,7 @@ def test_copy_on_write_fork_greedy(model):
 def test_copy_on_write_fork_seeded_matches_unshared_runs(model):
     model_dir, _ = model
     (prompt,) = prompts([21], seed=11)
-    params = SamplingParams(n=3, temperature=1.0, seed=1234)
+    params = SamplingParams(n=3, temperature=1.0, seed=1234, max_tokens=NEW, ignore_eos=True)
     worker, builder = make_worker(model_dir)
     samples, copies = fork_run(worker, builder, prompt, params, 3, 16)
     assert copies
@@ -233,13 +233,31 @@ def test_finish_reasons(model):
     assert long.finish_reasons == [None] * 5 + ["length"]
 
 
+def test_a_plan_made_before_a_finish_was_known_computes_nothing_for_that_sequence(model):
+    """Async scheduling plans a step before the last one's tokens are back: it may still list a sequence
+    that has just finished."""
+    model_dir, hf = model
+    first, second = prompts([10, 12], seed=16)
+    worker, builder = make_worker(model_dir)
+    capped = builder.add(first, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    other = builder.add(second)
+    run_until(worker, builder, [capped, other], 2)
+    assert capped.finish_reasons == [None, "length"]
+    builder.schedule(capped)
+    builder.schedule(other)
+    result = step(worker, builder)
+    assert [(out.rid, out.output_index) for out in result.outputs] == [(other.rid, 2)]
+    run_until(worker, builder, [other], 8)
+    assert other.outputs == hf.greedy(second, 8)
+
+
 def test_logprobs_are_the_model_distribution(model):
     model_dir, hf = model
     (prompt,) = prompts([13], seed=15)
     worker, builder = make_worker(model_dir)
-    top3 = builder.add(prompt, SamplingParams(temperature=0.0, logprobs=3))
-    chosen_only = builder.add(prompt, SamplingParams(temperature=0.0, logprobs=0))
-    none = builder.add(prompt, SamplingParams(temperature=0.0, repetition_penalty=1.5))
+    top3 = builder.add(prompt, SamplingParams(temperature=0.0, logprobs=3, max_tokens=NEW, ignore_eos=True))
+    chosen_only = builder.add(prompt, SamplingParams(temperature=0.0, logprobs=0, max_tokens=NEW, ignore_eos=True))
+    none = builder.add(prompt, SamplingParams(temperature=0.0, repetition_penalty=1.5, max_tokens=NEW, ignore_eos=True))
     run_until(worker, builder, [top3, chosen_only, none], 8)
     reference = hf.logprobs(top3.tokens)[len(prompt) - 1:-1]
     for i, token in enumerate(top3.outputs):
