@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator
+import uuid
+from dataclasses import dataclass
 
 from shared.bus import BLOCK_MS, RECONNECT_ERRORS, Backoff, connect_async, decode_entry
 from shared.keys import CONTROL_MAXLEN, FIELD, Keys
@@ -11,17 +12,41 @@ from shared.protocol import Abort, ProtocolError, Request, SchedulerStats, Token
 
 log = logging.getLogger(__name__)
 READ_COUNT = 256
-MAX_STREAMED_REQUESTS = 10_000
+WAKE_MAXLEN = 100
+WAKE_TTL_MS = 3_600_000  # a gateway that dies leaves its wake stream for an hour at most
+
+
+@dataclass(slots=True)
+class Follower:
+    """Where the entries of one followed `out:` stream go: `(tag, TokenOutput)` into `queue`."""
+    queue: asyncio.Queue
+    tag: int
+    cursor: bytes | str = "0-0"
 
 
 class Bus:
+    """The gateway's bus. One task reads every followed token stream with one blocking XREAD (one Redis
+    connection however many requests stream) and routes each entry to its request's queue; a submission
+    also writes this gateway's wake stream, which that XREAD includes, so new streams join it at once."""
+
     def __init__(self, url: str, keys: Keys | None = None) -> None:
         self.keys = keys or Keys()
         self.client = connect_async(url)
-        # One connection per request being streamed: redis-py's default pool of 100 would cap concurrency.
-        self.reader = connect_async(url, blocking=True, max_connections=MAX_STREAMED_REQUESTS)
+        self.reader = connect_async(url, blocking=True)
+        self.wake_key = self.keys.gateway_wake(uuid.uuid4().hex)
+        self.wake_cursor: bytes | str = "0-0"
+        self.followed: dict[str, Follower] = {}
+        self.followed_changed = asyncio.Event()
+        self.router: asyncio.Task | None = None
 
     async def close(self) -> None:
+        if self.router is not None:
+            self.router.cancel()
+            await asyncio.gather(self.router, return_exceptions=True)
+        try:
+            await self.client.delete(self.wake_key)
+        except RECONNECT_ERRORS:
+            pass
         await self.client.aclose()
         await self.reader.aclose()
 
@@ -29,6 +54,8 @@ class Bus:
         async with self.client.pipeline(transaction=True) as pipe:  # all of a call's prompts or none
             for req in requests:
                 pipe.xadd(self.keys.requests, {FIELD: encode(req)})
+            pipe.xadd(self.wake_key, {FIELD: b""}, maxlen=WAKE_MAXLEN, approximate=True)
+            pipe.pexpire(self.wake_key, WAKE_TTL_MS)
             await pipe.execute()
 
     async def abort(self, rids: list[str], reason: str) -> None:
@@ -38,31 +65,61 @@ class Bus:
                           approximate=True)
             await pipe.execute()
 
-    async def outputs(self, rid: str, done: asyncio.Event) -> AsyncIterator[TokenOutput]:
-        """Every TokenOutput of `rid` from the start of its stream, until the scheduler's request-level end
-        entry or until `done` is set; waits out Redis restarts. The loop ends by itself rather than by
-        cancellation alone: redis-py can swallow a cancel, and a reader left behind would hold its
-        connection forever."""
-        key = self.keys.out(rid)
-        cursor: bytes | str = "0-0"
+    def follow(self, rid: str, queue: asyncio.Queue, tag: int) -> None:
+        """Route every TokenOutput of `rid`, from the start of its stream, into `queue` as `(tag, out)`, until
+        the scheduler's request-level end entry (the last one routed) or `unfollow`. Follow before submitting,
+        so that the submission's wake reaches a read that includes the stream."""
+        self.followed[self.keys.out(rid)] = Follower(queue, tag)
+        self.followed_changed.set()
+        if self.router is None or self.router.done():
+            self.router = asyncio.get_running_loop().create_task(self._route())
+
+    def unfollow(self, rids: list[str]) -> None:
+        for rid in rids:
+            self.followed.pop(self.keys.out(rid), None)
+
+    async def _route(self) -> None:
+        """Read all followed streams until the gateway closes; waits out Redis restarts. Anything else fails
+        the requests followed now (their handlers answer 500); the next `follow` starts a new router."""
+        try:
+            await self._route_forever()
+        except Exception as e:
+            log.exception("the token stream router failed")
+            for follower in self.followed.values():
+                follower.queue.put_nowait((follower.tag, e))
+            self.followed.clear()
+
+    async def _route_forever(self) -> None:
         backoff = Backoff()
-        while not done.is_set():
+        while True:
+            if not self.followed:
+                self.followed_changed.clear()
+                await self.followed_changed.wait()
+                continue
+            streams = {self.wake_key: self.wake_cursor} | {k: f.cursor for k, f in self.followed.items()}
             try:
-                reply = await self.reader.xread({key: cursor}, count=READ_COUNT, block=BLOCK_MS)
+                reply = await self.reader.xread(streams, count=READ_COUNT, block=BLOCK_MS)
             except RECONNECT_ERRORS as e:
                 delay = backoff.next()
-                log.warning("reading %s failed (%s); retrying in %.2f s", key, e, delay)
+                log.warning("reading token streams failed (%s); retrying in %.2f s", e, delay)
                 await asyncio.sleep(delay)
                 continue
             backoff.reset()
-            for _, entries in reply or ():
-                for entry_id, fields in entries:
-                    cursor = entry_id
+            for raw_key, entries in reply or ():
+                key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
+                if key == self.wake_key:
+                    self.wake_cursor = entries[-1][0]
+                    continue
+                follower = self.followed.get(key)
+                for entry_id, fields in entries if follower is not None else ():
+                    follower.cursor = entry_id
                     out = decode_entry(key, entry_id, fields, TokenOutput)
-                    if out is not None:
-                        yield out
-                        if out.sample_index == -1:
-                            return
+                    if out is None:
+                        continue
+                    follower.queue.put_nowait((follower.tag, out))
+                    if out.sample_index == -1:
+                        del self.followed[key]
+                        break
 
     async def live_workers(self) -> tuple[list[str], int]:
         """(ids of workers whose heartbeat key exists, number of registered workers)."""

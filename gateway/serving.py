@@ -116,17 +116,16 @@ class Generation:
                     for t, p in zip(self.trackers, self.call.prompts)]
         waiting = set(range(len(self.trackers)))  # places reserved by Gateway.admit
         queue: asyncio.Queue[tuple[int, TokenOutput | BaseException]] = asyncio.Queue()
-        readers: list[asyncio.Task] = []
-        done = asyncio.Event()
         submitted = False
         try:
+            for i, tracker in enumerate(self.trackers):
+                gw.bus.follow(tracker.rid, queue, i)
             try:
                 await gw.bus.submit(requests)
             except BUS_ERRORS as e:
                 raise bus_unavailable(e) from None
             submitted = True
             gw.metrics.prompt_tokens.inc(self.prompt_tokens)
-            readers = [asyncio.create_task(self._read(i, t.rid, queue, done)) for i, t in enumerate(self.trackers)]
             while not all(t.finished for t in self.trackers):
                 i, out = await queue.get()
                 if isinstance(out, BaseException):
@@ -143,19 +142,10 @@ class Generation:
                 for delta in deltas:
                     yield i * n + delta.sample_index, delta
         finally:
-            done.set()
-            for reader in readers:
-                reader.cancel()
+            gw.bus.unfollow([t.rid for t in self.trackers])
             gw.waiting -= len(waiting)
             if submitted:
                 self._finish(arrival)
-
-    async def _read(self, i: int, rid: str, queue: asyncio.Queue, done: asyncio.Event) -> None:
-        try:
-            async for out in self.gw.bus.outputs(rid, done):
-                queue.put_nowait((i, out))
-        except Exception as e:  # surfaced in the handler, which answers the client and aborts
-            queue.put_nowait((i, e))
 
     def _first_token(self, i: int, arrival: float) -> None:
         now = time.time()

@@ -37,13 +37,11 @@ def connect(url: str, *, blocking: bool = False) -> redis.Redis:
     return redis.Redis.from_url(url, retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3), **_options(blocking))
 
 
-def connect_async(url: str, *, blocking: bool = False, max_connections: int | None = None) -> redis.asyncio.Redis:
-    """`max_connections` bounds the pool (redis-py's default is 100): one blocking read holds one connection."""
+def connect_async(url: str, *, blocking: bool = False) -> redis.asyncio.Redis:
     from redis.asyncio.retry import Retry
 
-    extra = {} if max_connections is None else {"max_connections": max_connections}
     return redis.asyncio.Redis.from_url(url, retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
-                                        **_options(blocking), **extra)
+                                        **_options(blocking))
 
 
 @dataclass(slots=True)

@@ -58,6 +58,11 @@ class Keys:
     def heartbeat(self, worker_id: str) -> str:
         return f"{self.prefix}:heartbeat:{worker_id}"
 
+    def gateway_wake(self, instance: str) -> str:
+        """Stream a gateway writes with each submission, so that its pending read of the token streams
+        returns and takes in the new requests' streams."""
+        return f"{self.prefix}:gateway:{instance}:wake"
+
     def out(self, rid: str) -> str:
         """Stream of TokenOutput for one request."""
         return f"{self.prefix}:out:{rid}"

@@ -477,6 +477,29 @@ def test_a_client_that_disconnects_gets_its_request_aborted(base, model, redis_u
     assert [a.rid for a in aborts(redis_url)] == rids
 
 
+def test_the_streams_of_many_requests_are_read_on_one_connection(base, model, redis_url):
+    async def open_streams(gw: LiveGateway, count: int) -> list[aiohttp.ClientResponse]:
+        resps = [await gw.session.post(gw.url + "/v1/completions", json={"prompt": "hi", "stream": True})
+                 for _ in range(count)]
+        assert all([(await r.content.readline()).startswith(b"data: ") for r in resps])
+        return resps
+
+    async def close(resps: list[aiohttp.ClientResponse]) -> None:
+        for resp in resps:
+            resp.close()
+
+    with LiveGateway(base, model, answer(model, ["endless output"], finish=None)) as gw:
+        resps = gw.run(open_streams(gw, 20))
+        client = redis.Redis.from_url(redis_url)
+        samples = []
+        for _ in range(20):
+            samples.append(sum("b" in c["flags"] for c in client.client_list()))
+            time.sleep(0.05)
+        assert 1 <= max(samples) <= 2, f"at most the driver's read and the gateway's one read of 20 streams: {samples}"
+        gw.run(close(resps))
+        wait_until(lambda: len(aborts(redis_url)) == 20, "every stream's abort")
+
+
 def test_backpressure_answers_429_with_retry_after(base, model, redis_url):
     r = redis.Redis.from_url(redis_url)
     with LiveGateway(base.replace(max_waiting_requests=2), model) as gw:  # no driver: requests stay waiting
