@@ -144,6 +144,7 @@ def _entries(reply) -> list:
     """The (entry id, fields) pairs of an XREAD reply."""
     return [entry for _, entries in reply or () for entry in entries]
 
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="pagedserve worker", description="pagedserve GPU worker service")
     Settings.add_arguments(parser)

@@ -40,6 +40,9 @@ class Worker:
         )
         self.epoch: int | None = None
         self.seqs: dict[int, SequenceState] = {}
+        # Sequences of a step that failed or was refused: the scheduler fails their requests, but a plan it made
+        # before it knew (async scheduling) may still list them; they are skipped until a plan finishes them.
+        self.failed: set[int] = set()
 
     @property
     def registration(self) -> WorkerRegistration:
@@ -51,20 +54,23 @@ class Worker:
             self._check(plan)
         except PlanError as e:
             log.error("refused step %d of epoch %d: %s", plan.step_id, plan.epoch, e)
+            self._enter_epoch(plan.epoch)
+            self._forget(plan.finished)
+            self.failed.update(self._step_seq_ids(plan))
             return StepResult(reg.worker_id, plan.epoch, plan.step_id, error=f"bad step plan: {e}")
-        if plan.epoch != self.epoch:
-            self.seqs.clear()
-            self.epoch = plan.epoch
-        for seq_id in plan.finished:
-            self.seqs.pop(seq_id, None)
+        self._enter_epoch(plan.epoch)
+        self._forget(plan.finished)
         cache = self.runner.cache
         cache.swap_out(plan.swap_out)
         cache.swap_in(plan.swap_in)
         cache.copy(plan.copies)
         for msg in plan.new_sequences:
             self.seqs[msg.seq_id] = SequenceState.from_message(msg)
+            self.failed.discard(msg.seq_id)  # an id named by a refused plan that never registered it
         chunks = []
         for item in plan.scheduled:
+            if item.seq_id in self.failed:
+                continue
             seq = self.seqs[item.seq_id]
             if item.block_table is not None:
                 seq.block_table = list(item.block_table)
@@ -72,8 +78,13 @@ class Worker:
                 seq.block_table.extend(item.new_block_ids)
             if not seq.finished:
                 chunks.append((seq, item.num_computed_tokens, item.num_new_tokens))
+        try:
+            sampled_tokens = self.runner.execute(chunks, self.eos_token_ids)
+        except Exception:
+            self.failed.update(self._step_seq_ids(plan))
+            raise
         outputs = []
-        for seq, sampled in self.runner.execute(chunks, self.eos_token_ids):
+        for seq, sampled in sampled_tokens:
             output_index = seq.num_output_tokens
             seq.token_ids.append(sampled.token_id)
             reason = finish_reason(seq.params, seq.output_token_ids, len(seq.token_ids), reg.max_model_len,
@@ -82,6 +93,22 @@ class Worker:
             outputs.append(TokenOutput(seq.rid, seq.sample_index, output_index, sampled.token_id, sampled.logprob,
                                        sampled.top_logprobs, reason))
         return StepResult(reg.worker_id, plan.epoch, plan.step_id, outputs)
+
+    def _enter_epoch(self, epoch: int) -> None:
+        """A new scheduler: what the old one had sent means nothing now."""
+        if epoch != self.epoch:
+            self.seqs.clear()
+            self.failed.clear()
+            self.epoch = epoch
+
+    def _forget(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            self.seqs.pop(seq_id, None)
+            self.failed.discard(seq_id)
+
+    @staticmethod
+    def _step_seq_ids(plan: StepPlan) -> list[int]:
+        return [m.seq_id for m in plan.new_sequences] + [item.seq_id for item in plan.scheduled]
 
     def _check(self, plan: StepPlan) -> None:
         """Raise PlanError unless the whole plan is executable against the state it will meet."""
@@ -100,8 +127,12 @@ class Worker:
             live.add(msg.seq_id)
             lengths[msg.seq_id] = len(msg.prompt_token_ids) + len(msg.output_token_ids)
         seen = set()
+        failed = (self.failed - set(plan.finished) - {m.seq_id for m in plan.new_sequences}
+                  if plan.epoch == self.epoch else set())
         for item in plan.scheduled:
             sid = item.seq_id
+            if sid in failed:
+                continue  # skipped, whatever the plan says of it
             if sid not in live:
                 raise PlanError(f"sequence {sid} is scheduled but unknown (never sent or already finished)")
             if sid in seen:

@@ -26,7 +26,7 @@ class Sequence:
     table_stale: bool = False  # the worker's block table must be replaced (after swap-in)
     # Work in plans not yet answered (async scheduling plans a step while the worker runs the last one):
     num_in_flight: int = 0  # tokens being computed
-    samples_in_flight: int = 0  # 1 while a plan in flight samples this sequence's next token
+    samples_in_flight: int = 0  # plans in flight that sample this sequence (the step and its lookahead: 2)
 
     @property
     def num_tokens(self) -> int:

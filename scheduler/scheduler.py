@@ -326,7 +326,8 @@ class Scheduler:
         return items
 
     def _ends_by_length(self, rs: RequestState, seq: Sequence) -> bool:
-        """Whether the token sampled in flight is sure to end the sequence (max_tokens or max_model_len)."""
+        """Whether the token sampled in flight is sure to end the sequence (max_tokens or max_model_len);
+        asked only while one plan is in flight, so that one token is all it samples."""
         ws = self.workers[rs.worker_id]
         return (len(seq.output) + 1 >= rs.req.params.max_tokens
                 or seq.num_tokens + 1 >= ws.reg.max_model_len)
@@ -523,13 +524,11 @@ class Scheduler:
                 continue
             self._append_token(ws, e.rs, e.seq, out.token_id)
         for e in sampled.values():
-            if e.rs.status is not Status.RUNNING:
-                continue
-            if e.seq.busy:  # a later plan in flight builds on the token that did not come
+            # The worker samples every sequence a plan asks it to and skips only those it saw end, as the
+            # scheduler did: a token missing here means the two disagree, and sampling again could loop.
+            if e.rs.status is Status.RUNNING:
                 self._fail(e.rs, FAILED, f"worker {ws.reg.worker_id} returned no token for sample "
                                          f"{e.seq.sample_index} in step {result.step_id}")
-            else:
-                e.seq.num_computed = e.seq.num_tokens - 1  # no token came back: sample that position again
 
     def _append_token(self, ws: WorkerState, rs: RequestState, seq: Sequence, token_id: int) -> None:
         seq.output.append(token_id)

@@ -298,6 +298,8 @@ class SchedulerService:
                 log.info("worker %s joined: %d blocks of %d tokens", worker_id, reg.num_blocks, reg.block_size)
 
     def _drop_stalled(self) -> None:
+        """Quarantine workers whose oldest step in flight has been so for over step_timeout (counted from the
+        first tick that saw it oldest: the step before it may have been running until then)."""
         timeout = self.settings.step_timeout
         now = time.monotonic()
         oldest: dict[str, tuple[int, float]] = {}

@@ -405,14 +405,18 @@ def test_a_lookahead_never_preempts_it_drains_the_pipeline_for_a_full_step():
     assert sched.num_preemptions == 1 and [s.seq_id for s in full.scheduled] == [first.scheduled[0].seq_id]
 
 
-def test_a_missing_token_is_sampled_again():
-    sched, sims = make(async_scheduling=False)
-    sched.add_request(request("r", max_tokens=2))
+def test_a_missing_token_fails_the_request():
+    """The worker samples all it is asked to but sequences it saw end, as the scheduler does: a token that
+    does not come back means they disagree, and sampling again could go on forever."""
+    sched, sims = make()
+    sched.add_request(request("r", max_tokens=5))
+    sched.add_request(request("s", max_tokens=5))
     plan = sched.schedule("w0")
-    sims["w0"].execute(plan)
-    sched.apply_result(StepResult("w0", plan.epoch, plan.step_id, []))
-    again = sched.schedule("w0")
-    assert [(s.num_computed_tokens, s.num_new_tokens) for s in again.scheduled] == [(7, 1)]
+    result = sims["w0"].execute(plan)
+    sched.apply_result(StepResult("w0", plan.epoch, plan.step_id, [o for o in result.outputs if o.rid == "s"]))
+    (done,) = sched.pop_finished()
+    assert done.rid == "r" and done.error_kind == FAILED and "returned no token for sample 0" in done.error
+    assert sched.requests["s"].outputs == [[result.outputs[1].token_id]]
 
 
 def test_abort_frees_blocks_and_tells_the_worker():

@@ -178,34 +178,42 @@ def test_new_epoch_drops_state(model):
     assert b.outputs == hf.greedy(prompt, NEW)
 
 
-def test_bad_plans_are_refused_without_side_effects(model):
+def test_bad_plans_are_refused_whole(model):
+    """A refused plan changes nothing but this: the sequences it named are skipped from then on (the scheduler
+    fails their requests), so that a plan already queued behind it still runs for the others."""
     model_dir, hf = model
-    worker, builder = make_worker(model_dir)
     (prompt,) = prompts([18], seed=13)
-    a = builder.add(prompt)
-    run_until(worker, builder, [a], 4)
-    wid, n = builder.worker_id, len(a.tokens)
-    vocab = worker.vocab_size
+    worker, builder = make_worker(model_dir)
+    wid, vocab = builder.worker_id, worker.vocab_size
+    n = len(prompt) + 4
+    a_id = 0
     bad_plans = {
-        "outside": StepPlan(wid, 0, 100, scheduled=[ScheduledSequence(a.seq_id, n - 1, 1, [NUM_BLOCKS])]),
+        "outside": StepPlan(wid, 0, 100, scheduled=[ScheduledSequence(a_id, n - 1, 1, [NUM_BLOCKS])]),
         "does not cover": StepPlan(wid, 0, 100, new_sequences=[
             NewSequence(99, "x", 0, [5] * 40, [], SamplingParams())], scheduled=[ScheduledSequence(99, 0, 40, [3])]),
         "vocabulary": StepPlan(wid, 0, 100, new_sequences=[NewSequence(99, "x", 0, [vocab], [], SamplingParams())]),
-        "cannot compute": StepPlan(wid, 0, 100, scheduled=[ScheduledSequence(a.seq_id, n - 1, 2)]),
-        "already known": StepPlan(wid, 0, 100, new_sequences=[
-            NewSequence(a.seq_id, "x", 0, [5], [], SamplingParams())]),
-        "scheduled twice": StepPlan(wid, 0, 100, scheduled=[ScheduledSequence(a.seq_id, n - 1, 1)] * 2),
+        "cannot compute": StepPlan(wid, 0, 100, scheduled=[ScheduledSequence(a_id, n - 1, 2)]),
+        "already known": StepPlan(wid, 0, 100, new_sequences=[NewSequence(a_id, "x", 0, [5], [], SamplingParams())]),
+        "scheduled twice": StepPlan(wid, 0, 100, scheduled=[ScheduledSequence(a_id, n - 1, 1)] * 2),
         "copies": StepPlan(wid, 0, 100, copies=[(0, 3)]),
         "reached": StepPlan("someone-else", 0, 100),
         "top_p": StepPlan(wid, 0, 100, new_sequences=[NewSequence(98, "x", 0, [5], [], SamplingParams(top_p=0.0))]),
     }
     for needle, plan in bad_plans.items():
+        worker, builder = make_worker(model_dir)
+        a = builder.add(prompt)
+        run_until(worker, builder, [a], 4)
+        assert a.seq_id == a_id and len(a.tokens) == n
+        tokens, table = list(worker.seqs[a.seq_id].token_ids), list(worker.seqs[a.seq_id].block_table)
         result = worker.execute(plan)
         assert result.error is not None and needle in result.error, (needle, result.error)
-        assert result.outputs == []
-    assert 99 not in worker.seqs and 98 not in worker.seqs
-    run_until(worker, builder, [a], NEW)
-    assert a.outputs == hf.greedy(prompt, NEW)
+        assert result.outputs == [] and set(worker.seqs) == {a.seq_id}
+        assert (worker.seqs[a.seq_id].token_ids, worker.seqs[a.seq_id].block_table) == (tokens, table)
+        named = {m.seq_id for m in plan.new_sequences} | {item.seq_id for item in plan.scheduled}
+        assert (a.seq_id in worker.failed) == (a.seq_id in named)
+    b = builder.add(prompt)
+    run_until(worker, builder, [b], NEW)
+    assert b.outputs == hf.greedy(prompt, NEW)
 
 
 def test_finish_reasons(model):
@@ -249,6 +257,61 @@ def test_a_plan_made_before_a_finish_was_known_computes_nothing_for_that_sequenc
     assert [(out.rid, out.output_index) for out in result.outputs] == [(other.rid, 2)]
     run_until(worker, builder, [other], 8)
     assert other.outputs == hf.greedy(second, 8)
+
+
+def test_a_failed_step_takes_down_only_its_own_sequences_in_the_plan_after_it(model, monkeypatch):
+    """With async scheduling the next plan is already queued when a step fails: it must still run for the
+    sequences the failure did not touch. The failure is injected (a GPU error cannot happen on a CPU)."""
+    model_dir, hf = model
+    first, second, third = prompts([10, 12, 9], seed=17)
+    worker, builder = make_worker(model_dir)
+    a, b = builder.add(first), builder.add(second)
+    run_until(worker, builder, [a, b], 1)
+    builder.schedule(a)
+    builder.schedule(b)
+    failing = builder.plan()
+    builder.schedule(a, 1)  # the lookahead: as if the failing step's tokens had come
+    builder.schedule(b, 1)
+    c = builder.add(third)
+    builder.schedule(c)
+    ahead = builder.plan()
+    forward = worker.runner.execute
+
+    def broken(*args):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(worker.runner, "execute", broken)
+    with pytest.raises(RuntimeError):
+        worker.execute(failing)
+    monkeypatch.setattr(worker.runner, "execute", forward)
+    result = worker.execute(ahead)
+    assert result.error is None and [out.rid for out in result.outputs] == [c.rid]
+    builder.apply(result)
+    builder.finish(a)  # the scheduler failed their requests
+    builder.finish(b)
+    run_until(worker, builder, [c], 6)
+    assert c.outputs == hf.greedy(third, 6)
+    assert not worker.failed and a.seq_id not in worker.seqs and b.seq_id not in worker.seqs
+
+
+def test_a_refused_plan_does_not_take_down_the_plan_after_it(model):
+    model_dir, hf = model
+    first, second = prompts([10, 12], seed=18)
+    worker, builder = make_worker(model_dir)
+    a = builder.add(first)
+    builder.schedule(a)
+    refused = builder.plan()
+    refused.scheduled[0].new_block_ids[0] = NUM_BLOCKS + 5
+    builder.schedule(a, 1)
+    b = builder.add(second)
+    builder.schedule(b)
+    ahead = builder.plan()
+    assert "block ids outside" in worker.execute(refused).error
+    result = worker.execute(ahead)
+    assert result.error is None and [out.rid for out in result.outputs] == [b.rid]
+    builder.apply(result)
+    builder.finish(a)
+    run_until(worker, builder, [b], 4)
+    assert b.outputs == hf.greedy(second, 4) and not worker.failed
 
 
 def test_logprobs_are_the_model_distribution(model):
