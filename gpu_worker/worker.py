@@ -3,7 +3,9 @@
 It keeps each sequence's tokens, parameters and block table between steps and applies a plan in the
 order the protocol fixes (shared/protocol.py, StepPlan): new epoch → forget finished → swap out →
 swap in → copies → register new sequences → one forward pass → sample. A plan that contradicts the
-worker's state is refused whole, before anything changes, with a StepResult carrying the error.
+worker's state is refused whole, before anything changes, with a StepResult carrying the error. The
+sequences of a refused or failed step are skipped from then on: the scheduler fails their requests,
+but with async scheduling the plan after it was made before it knew.
 """
 from __future__ import annotations
 
