@@ -16,7 +16,6 @@ class SequenceState:
     token_ids: list[int]  # prompt + output
     num_prompt_tokens: int
     block_table: list[int] = field(default_factory=list)
-    finished: bool = False  # its last token is out; a plan made before the scheduler knew may still list it
 
     @classmethod
     def from_message(cls, msg: NewSequence) -> "SequenceState":

@@ -3,9 +3,9 @@
 It keeps each sequence's tokens, parameters and block table between steps and applies a plan in the
 order the protocol fixes (shared/protocol.py, StepPlan): new epoch → forget finished → swap out →
 swap in → copies → register new sequences → one forward pass → sample. A plan that contradicts the
-worker's state is refused whole, before anything changes, with a StepResult carrying the error. The
-sequences of a refused or failed step are skipped from then on: the scheduler fails their requests,
-but with async scheduling the plan after it was made before it knew.
+worker's state is refused whole, before anything changes, with a StepResult carrying the error. A
+sequence that ended here (its last token out, or its step failed or was refused) is skipped from then
+on: with async scheduling the plan after it was made before the scheduler knew.
 """
 from __future__ import annotations
 
@@ -42,9 +42,10 @@ class Worker:
         )
         self.epoch: int | None = None
         self.seqs: dict[int, SequenceState] = {}
-        # Sequences of a step that failed or was refused: the scheduler fails their requests, but a plan it made
-        # before it knew (async scheduling) may still list them; they are skipped until a plan finishes them.
-        self.failed: set[int] = set()
+        # Sequences that ended here: finished, or in a step that failed or was refused (the scheduler fails
+        # their requests). A plan made before the scheduler knew may still list them; they are skipped until a
+        # plan's `finished` forgets them.
+        self.ended: set[int] = set()
 
     @property
     def registration(self) -> WorkerRegistration:
@@ -58,7 +59,7 @@ class Worker:
             log.error("refused step %d of epoch %d: %s", plan.step_id, plan.epoch, e)
             self._enter_epoch(plan.epoch)
             self._forget(plan.finished)
-            self.failed.update(self._step_seq_ids(plan))
+            self.ended.update(self._step_seq_ids(plan))
             return StepResult(reg.worker_id, plan.epoch, plan.step_id, error=f"bad step plan: {e}")
         self._enter_epoch(plan.epoch)
         self._forget(plan.finished)
@@ -68,22 +69,21 @@ class Worker:
         cache.copy(plan.copies)
         for msg in plan.new_sequences:
             self.seqs[msg.seq_id] = SequenceState.from_message(msg)
-            self.failed.discard(msg.seq_id)  # an id named by a refused plan that never registered it
+            self.ended.discard(msg.seq_id)  # an id named by a refused plan that never registered it
         chunks = []
         for item in plan.scheduled:
-            if item.seq_id in self.failed:
+            if item.seq_id in self.ended:
                 continue
             seq = self.seqs[item.seq_id]
             if item.block_table is not None:
                 seq.block_table = list(item.block_table)
             else:
                 seq.block_table.extend(item.new_block_ids)
-            if not seq.finished:
-                chunks.append((seq, item.num_computed_tokens, item.num_new_tokens))
+            chunks.append((seq, item.num_computed_tokens, item.num_new_tokens))
         try:
             sampled_tokens = self.runner.execute(chunks, self.eos_token_ids)
         except Exception:
-            self.failed.update(self._step_seq_ids(plan))
+            self.ended.update(self._step_seq_ids(plan))
             raise
         outputs = []
         for seq, sampled in sampled_tokens:
@@ -91,7 +91,8 @@ class Worker:
             seq.token_ids.append(sampled.token_id)
             reason = finish_reason(seq.params, seq.output_token_ids, len(seq.token_ids), reg.max_model_len,
                                    self.eos_token_ids)
-            seq.finished = reason is not None
+            if reason is not None:
+                self.ended.add(seq.seq_id)
             outputs.append(TokenOutput(seq.rid, seq.sample_index, output_index, sampled.token_id, sampled.logprob,
                                        sampled.top_logprobs, reason))
         return StepResult(reg.worker_id, plan.epoch, plan.step_id, outputs)
@@ -100,13 +101,13 @@ class Worker:
         """A new scheduler: what the old one had sent means nothing now."""
         if epoch != self.epoch:
             self.seqs.clear()
-            self.failed.clear()
+            self.ended.clear()
             self.epoch = epoch
 
     def _forget(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
             self.seqs.pop(seq_id, None)
-            self.failed.discard(seq_id)
+            self.ended.discard(seq_id)
 
     @staticmethod
     def _step_seq_ids(plan: StepPlan) -> list[int]:
@@ -129,11 +130,11 @@ class Worker:
             live.add(msg.seq_id)
             lengths[msg.seq_id] = len(msg.prompt_token_ids) + len(msg.output_token_ids)
         seen = set()
-        failed = (self.failed - set(plan.finished) - {m.seq_id for m in plan.new_sequences}
-                  if plan.epoch == self.epoch else set())
+        ended = (self.ended - set(plan.finished) - {m.seq_id for m in plan.new_sequences}
+                 if plan.epoch == self.epoch else set())
         for item in plan.scheduled:
             sid = item.seq_id
-            if sid in failed:
+            if sid in ended:
                 continue  # skipped, whatever the plan says of it
             if sid not in live:
                 raise PlanError(f"sequence {sid} is scheduled but unknown (never sent or already finished)")

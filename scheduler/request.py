@@ -37,10 +37,6 @@ class Sequence:
         """Tokens whose KV will be in the cache once the plans in flight are done."""
         return self.num_computed + self.num_in_flight
 
-    @property
-    def busy(self) -> bool:
-        return self.num_in_flight > 0 or self.samples_in_flight > 0
-
 
 @dataclass(slots=True, eq=False)
 class RequestState:

@@ -333,7 +333,7 @@ class Scheduler:
                 or seq.num_tokens + 1 >= ws.reg.max_model_len)
 
     def _schedule_request(self, ws: WorkerState, rs: RequestState, step: StepBuilder, may_preempt: bool) -> None:
-        if rs.fork_at is not None and rs.seqs[0].num_computed == rs.fork_at and not rs.seqs[0].busy:
+        if rs.fork_at is not None and rs.seqs[0].num_computed == rs.fork_at:
             self._fork(rs, ws)
         items = self._chunks(rs, step)
         if not items:

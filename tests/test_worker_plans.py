@@ -210,7 +210,7 @@ def test_bad_plans_are_refused_whole(model):
         assert result.outputs == [] and set(worker.seqs) == {a.seq_id}
         assert (worker.seqs[a.seq_id].token_ids, worker.seqs[a.seq_id].block_table) == (tokens, table)
         named = {m.seq_id for m in plan.new_sequences} | {item.seq_id for item in plan.scheduled}
-        assert (a.seq_id in worker.failed) == (a.seq_id in named)
+        assert (a.seq_id in worker.ended) == (a.seq_id in named)
     b = builder.add(prompt)
     run_until(worker, builder, [b], NEW)
     assert b.outputs == hf.greedy(prompt, NEW)
@@ -290,7 +290,7 @@ def test_a_failed_step_takes_down_only_its_own_sequences_in_the_plan_after_it(mo
     builder.finish(b)
     run_until(worker, builder, [c], 6)
     assert c.outputs == hf.greedy(third, 6)
-    assert not worker.failed and a.seq_id not in worker.seqs and b.seq_id not in worker.seqs
+    assert not worker.ended and a.seq_id not in worker.seqs and b.seq_id not in worker.seqs
 
 
 def test_a_refused_plan_does_not_take_down_the_plan_after_it(model):
@@ -311,7 +311,7 @@ def test_a_refused_plan_does_not_take_down_the_plan_after_it(model):
     builder.apply(result)
     builder.finish(a)
     run_until(worker, builder, [b], 4)
-    assert b.outputs == hf.greedy(second, 4) and not worker.failed
+    assert b.outputs == hf.greedy(second, 4) and not worker.ended
 
 
 def test_logprobs_are_the_model_distribution(model):
