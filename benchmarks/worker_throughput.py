@@ -59,7 +59,7 @@ def run_worker(model_dir: Path, prompts: list[list[int]], new_tokens: int, budge
     per_seq = math.ceil((len(prompts[0]) + new_tokens) / BLOCK_SIZE)
     settings = Settings(model=str(model_dir), block_size=BLOCK_SIZE, num_blocks=len(prompts) * per_seq + 1,
                         swap_space_bytes=0, max_num_batched_tokens=budget)
-    worker = Worker(settings, progress=False)
+    worker = Worker.load(settings, progress=False)
     wid = worker.registration.worker_id
     steps = iter(range(1 << 30))
     outputs: list[list[int]] = [[] for _ in prompts]

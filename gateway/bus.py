@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from shared.bus import BLOCK_MS, RECONNECT_ERRORS, Backoff, connect_async, decode_entry
 from shared.keys import CONTROL_MAXLEN, FIELD, Keys
-from shared.protocol import Abort, ProtocolError, Request, SchedulerStats, TokenOutput, decode, encode
+from shared.protocol import Abort, Assignment, ProtocolError, Request, SchedulerStats, TokenOutput, decode, encode
 
 log = logging.getLogger(__name__)
 READ_COUNT = 256
@@ -18,7 +18,7 @@ WAKE_TTL_MS = 3_600_000  # a gateway that dies leaves its wake stream for an hou
 
 @dataclass(slots=True)
 class Follower:
-    """Where the entries of one followed `out:` stream go: `(tag, TokenOutput)` into `queue`."""
+    """Where the entries of one followed `out:` stream go: `(tag, TokenOutput | Assignment)` into `queue`."""
     queue: asyncio.Queue
     tag: int
     cursor: bytes | str = "0-0"
@@ -66,7 +66,7 @@ class Bus:
             await pipe.execute()
 
     def follow(self, rid: str, queue: asyncio.Queue, tag: int) -> None:
-        """Route every TokenOutput of `rid`, from the start of its stream, into `queue` as `(tag, out)`, until
+        """Route every entry of `rid`'s stream, from its start, into `queue` as `(tag, entry)`, until
         the scheduler's request-level end entry (the last one routed) or `unfollow`. Follow before submitting,
         so that the submission's wake reaches a read that includes the stream."""
         self.followed[self.keys.out(rid)] = Follower(queue, tag)
@@ -113,11 +113,11 @@ class Bus:
                 follower = self.followed.get(key)
                 for entry_id, fields in entries if follower is not None else ():
                     follower.cursor = entry_id
-                    out = decode_entry(key, entry_id, fields, TokenOutput)
+                    out = decode_entry(key, entry_id, fields, (TokenOutput, Assignment))
                     if out is None:
                         continue
                     follower.queue.put_nowait((follower.tag, out))
-                    if out.sample_index == -1:
+                    if isinstance(out, TokenOutput) and out.sample_index == -1:
                         del self.followed[key]
                         break
 

@@ -1,7 +1,7 @@
 """One bus request seen from the gateway: TokenOutputs in, text deltas out (sans-IO).
 
-Applies the bus contract: entries are deduplicated by (sample_index, output_index), since a request
-resumed after a failure may repeat indices; a sample ends at the entry carrying its finish reason; the
+Applies the bus contract through the stream's fold (shared/out_stream.py): only the assigned worker's
+tokens count, each once, in index order; a sample ends at the entry carrying its finish reason; the
 scheduler's entry with sample_index -1 ends the whole request: with its error (finish reason "error"),
 or by ending every sample still running with its finish reason. Text is detokenized
 incrementally and checked for stop strings; a sample that hits one is finished here, and the request
@@ -9,12 +9,16 @@ must then be aborted on the bus (`needs_abort`) so the scheduler frees its block
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.stop import StopStrings
-from shared.protocol import TokenOutput
+from shared.out_stream import OutOfOrder, OutputFold
+from shared.protocol import Assignment, TokenOutput
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -49,9 +53,10 @@ class Sample:
 
 
 class RequestTracker:
-    def __init__(self, rid: str, n: int, prompt_ids: list[int], decode: Callable[[list[int]], str],
+    def __init__(self, rid: str, n: int, max_tokens: int, prompt_ids: list[int], decode: Callable[[list[int]], str],
                  stops: list[str]) -> None:
         self.rid = rid
+        self.fold = OutputFold(n, max_tokens)
         self.samples = [Sample(IncrementalDetokenizer.after_prompt(decode, prompt_ids), StopStrings(list(stops)))
                         for _ in range(n)]
         self.error: str | None = None
@@ -71,10 +76,17 @@ class RequestTracker:
     def num_generated(self) -> int:
         return sum(len(s.token_ids) for s in self.samples)
 
-    def apply(self, out: TokenOutput) -> list[Delta]:
+    def apply(self, entry: TokenOutput | Assignment) -> list[Delta]:
         """Take one entry of the request's output stream; the deltas it makes (none, one, or one per
         sample still running when the scheduler ends the whole request)."""
-        if out.rid != self.rid or self.error is not None:
+        if entry.rid != self.rid or self.error is not None:
+            return []
+        try:
+            out = self.fold.apply(entry)
+        except OutOfOrder as e:
+            log.warning("request %s: dropped an entry of its output stream: %s", self.rid, e)
+            return []
+        if out is None:
             return []
         if out.sample_index == -1:
             self.ended_on_bus = True
@@ -84,13 +96,11 @@ class RequestTracker:
                 return []
             reason = out.finish_reason or "abort"
             return [self._end(i, "", reason) for i, s in enumerate(self.samples) if s.finish_reason is None]
-        if not 0 <= out.sample_index < len(self.samples):
-            return []
         sample = self.samples[out.sample_index]
         if out.finish_reason is not None:
             sample.ended_on_bus = True
-        if sample.finish_reason is not None or out.output_index < len(sample.token_ids):
-            return []
+        if sample.finish_reason is not None:
+            return []  # ended here by a stop string; the bus goes on until the abort lands
         sample.token_ids.append(out.token_id)
         record = TokenLogprob(out.token_id, out.logprob, list(out.top_logprobs), sample.detok_len)
         sample.logprobs.append(record)

@@ -22,7 +22,7 @@ from gateway.generation import Delta, RequestTracker, TokenLogprob
 from gateway.metrics import Metrics
 from gateway.model import ServedModel
 from gateway.params import GenerateCall
-from shared.protocol import REJECTED, UNAVAILABLE, Request, TokenOutput
+from shared.protocol import REJECTED, UNAVAILABLE, Assignment, Request, TokenOutput
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,8 @@ class Generation:
         self.id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(received)
         decode = functools.partial(gw.model.tokenizer.decode, skip_special_tokens=call.skip_special_tokens)
-        self.trackers = [RequestTracker(f"{self.id}-{i}", call.params.n, p.token_ids, decode, call.stop)
+        self.trackers = [RequestTracker(f"{self.id}-{i}", call.params.n, call.params.max_tokens, p.token_ids, decode,
+                                        call.stop)
                          for i, p in enumerate(call.prompts)]
         self.first_token: list[float | None] = [None] * len(self.trackers)
 
@@ -115,7 +116,7 @@ class Generation:
         requests = [Request(t.rid, self.call.model, p.token_ids, self.call.params, arrival)
                     for t, p in zip(self.trackers, self.call.prompts)]
         waiting = set(range(len(self.trackers)))  # places reserved by Gateway.admit
-        queue: asyncio.Queue[tuple[int, TokenOutput | BaseException]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, TokenOutput | Assignment | BaseException]] = asyncio.Queue()
         submitted = False
         try:
             for i, tracker in enumerate(self.trackers):

@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging("worker", settings.log_level)
     from gpu_worker.worker import Worker
 
-    worker = Worker(settings, settings.worker_id or f"{socket.gethostname()}-{os.getpid()}")
+    worker = Worker.load(settings, settings.worker_id or f"{socket.gethostname()}-{os.getpid()}")
     service = WorkerService(settings, worker)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: service.stop_event.set())

@@ -10,8 +10,9 @@ on: with async scheduling the plan after it was made before the scheduler knew.
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
-from gpu_worker.model_runner import ModelRunner
+from gpu_worker.sampler import SampledToken
 from gpu_worker.sequence import SequenceState
 from shared import model_dir as model_dirs
 from shared.protocol import NewSequence, StepPlan, StepResult, TokenOutput, WorkerRegistration
@@ -25,27 +26,50 @@ class PlanError(ValueError):
     """A step plan the worker cannot execute as written (unknown sequence, block out of range, ...)."""
 
 
+class BlockOps(Protocol):
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None: ...
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None: ...
+    def copy(self, pairs: list[tuple[int, int]]) -> None: ...
+
+
+class Runner(Protocol):
+    """The device side the worker core drives: the model runner, or any stand-in with the same semantics."""
+    cache: BlockOps
+
+    def execute(self, chunks: list[tuple[SequenceState, int, int]],
+                eos_token_ids: list[int]) -> list[tuple[SequenceState, SampledToken]]: ...
+
+
 class Worker:
-    def __init__(self, settings: Settings, worker_id: str = "worker-0", progress: bool = True) -> None:
-        path = model_dirs.resolve_model_dir(settings.model)
-        self.runner = ModelRunner(settings, path, progress)
-        self.eos_token_ids = model_dirs.eos_token_ids(path)
-        self.vocab_size = self.runner.model.lm_head.out_features
-        self._registration = WorkerRegistration(
-            worker_id=worker_id,
-            model_id=model_dirs.served_model_name(path, settings.served_model_name),
-            num_blocks=self.runner.cache.num_blocks,
-            num_swap_blocks=self.runner.cache.num_swap_blocks,
-            block_size=settings.block_size,
-            max_model_len=self.runner.max_model_len,
-            eos_token_ids=list(self.eos_token_ids),
-        )
+    def __init__(self, runner: Runner, registration: WorkerRegistration) -> None:
+        self.runner = runner
+        self._registration = registration
+        self.eos_token_ids = list(registration.eos_token_ids)
+        self.vocab_size = registration.vocab_size
         self.epoch: int | None = None
         self.seqs: dict[int, SequenceState] = {}
         # Sequences that ended here: finished, or in a step that failed or was refused (the scheduler fails
         # their requests). A plan made before the scheduler knew may still list them; they are skipped until a
         # plan's `finished` forgets them.
         self.ended: set[int] = set()
+
+    @classmethod
+    def load(cls, settings: Settings, worker_id: str = "worker-0", progress: bool = True) -> "Worker":
+        """A worker over the model in `settings.model`, its KV cache sized from the settings."""
+        from gpu_worker.model_runner import ModelRunner
+
+        path = model_dirs.resolve_model_dir(settings.model)
+        runner = ModelRunner(settings, path, progress)
+        return cls(runner, WorkerRegistration(
+            worker_id=worker_id,
+            model_id=model_dirs.served_model_name(path, settings.served_model_name),
+            num_blocks=runner.cache.num_blocks,
+            num_swap_blocks=runner.cache.num_swap_blocks,
+            block_size=settings.block_size,
+            max_model_len=runner.max_model_len,
+            eos_token_ids=list(model_dirs.eos_token_ids(path)),
+            vocab_size=runner.model.lm_head.out_features,
+        ))
 
     @property
     def registration(self) -> WorkerRegistration:
@@ -94,7 +118,7 @@ class Worker:
             if reason is not None:
                 self.ended.add(seq.seq_id)
             outputs.append(TokenOutput(seq.rid, seq.sample_index, output_index, sampled.token_id, sampled.logprob,
-                                       sampled.top_logprobs, reason))
+                                       sampled.top_logprobs, reason, worker_id=reg.worker_id, epoch=plan.epoch))
         return StepResult(reg.worker_id, plan.epoch, plan.step_id, outputs)
 
     def _enter_epoch(self, epoch: int) -> None:

@@ -1,7 +1,7 @@
 """A client of the bus for tests and benchmarks: submit requests to a running stack, read their tokens.
 
-It reads each request's `out:` stream as the gateway does, skipping indices already seen, and records
-any index that came twice with different tokens.
+It folds each request's `out:` stream by the same rules as the gateway (shared/out_stream.py), and
+records any index that came twice with different tokens.
 """
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import uuid
 import redis
 
 from shared.keys import FIELD, Keys
-from shared.protocol import Request, SchedulerStats, TokenOutput, WorkerRegistration, decode, encode
+from shared.out_stream import OutOfOrder, OutputFold
+from shared.protocol import Assignment, Request, SchedulerStats, TokenOutput, WorkerRegistration, decode, encode
 from shared.sampling import SamplingParams
 
 
@@ -21,11 +22,8 @@ class BusClient:
         self.url = url
         self.redis = redis.Redis.from_url(url, socket_timeout=10)
         self.cursors: dict[str, bytes | str] = {}
-        self.tokens: dict[str, dict[int, dict[int, int]]] = {}
-        self.finish: dict[str, dict[int, str]] = {}
-        self.errors: dict[str, str] = {}
-        self.n: dict[str, int] = {}
-        self.conflicts: list[str] = []
+        self.folds: dict[str, OutputFold] = {}
+        self.refused: list[str] = []  # entries the stream's rules refused, with why
 
     def reconnect(self) -> None:
         self.redis = redis.Redis.from_url(self.url, socket_timeout=10)
@@ -35,13 +33,22 @@ class BusClient:
         req = Request(rid, model, prompt, params, time.time())
         self.redis.xadd(self.keys.requests, {FIELD: encode(req)})
         self.cursors[rid] = "0-0"
-        self.tokens[rid] = {i: {} for i in range(params.n)}
-        self.finish[rid] = {}
-        self.n[rid] = params.n
+        self.folds[rid] = OutputFold(params.n, params.max_tokens)
         return rid
 
     def done(self, rid: str) -> bool:
-        return rid in self.errors or len(self.finish[rid]) == self.n[rid]
+        fold = self.folds[rid]
+        return fold.ended or all(r is not None for r in fold.finish_reasons)
+
+    @property
+    def errors(self) -> dict[str, str]:
+        return {rid: f.end.error or "" for rid, f in self.folds.items()
+                if f.end is not None and f.end.finish_reason == "error"}
+
+    @property
+    def conflicts(self) -> list[str]:
+        """Output indices that came twice with different tokens."""
+        return [f"{rid}[{s}][{i}]" for rid, f in self.folds.items() for s, i in f.conflicts]
 
     def poll(self, block_ms: int = 200) -> None:
         pending = {self.keys.out(r): c for r, c in self.cursors.items() if not self.done(r)}
@@ -49,20 +56,12 @@ class BusClient:
             return
         for stream, entries in self.redis.xread(pending, block=block_ms) or []:
             for entry_id, fields in entries:
-                out = decode(fields[FIELD.encode()], TokenOutput)
+                out = decode(fields[FIELD.encode()], (TokenOutput, Assignment))
                 self.cursors[out.rid] = entry_id
-                if out.sample_index < 0:  # the scheduler ended the request
-                    if out.finish_reason == "error":
-                        self.errors[out.rid] = out.error or ""
-                    for i in range(self.n[out.rid]):
-                        self.finish[out.rid].setdefault(i, out.finish_reason or "abort")
-                    continue
-                seen = self.tokens[out.rid][out.sample_index]
-                if seen.get(out.output_index, out.token_id) != out.token_id:
-                    self.conflicts.append(f"{out.rid}[{out.sample_index}][{out.output_index}]")
-                seen.setdefault(out.output_index, out.token_id)
-                if out.finish_reason:
-                    self.finish[out.rid][out.sample_index] = out.finish_reason
+                try:
+                    self.folds[out.rid].apply(out)
+                except OutOfOrder as e:
+                    self.refused.append(f"{out.rid}: {e}")
 
     def wait(self, rids: list[str], timeout: float = 120.0, stack=None) -> None:
         """Poll until every request ended; `stack.assert_alive()` (if given) fails fast on a dead process."""
@@ -79,13 +78,10 @@ class BusClient:
                 self.reconnect()
 
     def output(self, rid: str, sample: int = 0) -> list[int]:
-        """The sample's tokens; fails if an index is missing."""
-        seen = self.tokens[rid][sample]
-        assert sorted(seen) == list(range(len(seen))), f"missing output indices in {rid}[{sample}]"
-        return [seen[i] for i in range(len(seen))]
+        return list(self.folds[rid].tokens[sample])
 
     def generated_count(self, rids: list[str]) -> int:
-        return sum(len(s) for r in rids for s in self.tokens[r].values())
+        return sum(len(s) for r in rids for s in self.folds[r].tokens)
 
     def workers(self) -> dict[str, WorkerRegistration]:
         raw = self.redis.hgetall(self.keys.workers)

@@ -43,7 +43,7 @@ class Engine:
         self.scheduler = Scheduler(settings)
         self.workers = {}
         for i in range(num_workers):
-            worker = Worker(settings, f"worker-{i}")
+            worker = Worker.load(settings, f"worker-{i}")
             self.workers[worker.registration.worker_id] = worker
             self.scheduler.add_worker(worker.registration)
         first = next(iter(self.workers.values())).registration

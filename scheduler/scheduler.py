@@ -98,6 +98,7 @@ class Scheduler:
         self.requests: dict[str, RequestState] = {}
         self.unplaced: list[RequestState] = []  # no worker yet; arrival order
         self.finished: list[FinishedRequest] = []
+        self.placements: list[tuple[str, str]] = []  # (rid, worker id): Assignments to write before any plan
         self.num_preemptions = 0
         self._order = itertools.count()
         self._seq_ids = itertools.count()
@@ -182,6 +183,10 @@ class Scheduler:
     def pop_finished(self) -> list[FinishedRequest]:
         done, self.finished = self.finished, []
         return done
+
+    def pop_placements(self) -> list[tuple[str, str]]:
+        placed, self.placements = self.placements, []
+        return placed
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -270,6 +275,7 @@ class Scheduler:
         rs.uncached = uncached[ws.reg.worker_id]
         rs.worker_id = ws.reg.worker_id
         rs.unplaced_since = None
+        self.placements.append((rs.rid, rs.worker_id))
         bisect.insort(ws.waiting, rs, key=_ORDER)
 
     # ---- one step -------------------------------------------------------------------------

@@ -15,7 +15,6 @@ import os
 import signal
 import socket
 import time
-from collections import defaultdict
 
 import redis
 
@@ -23,8 +22,10 @@ from scheduler.scheduler import FinishedRequest, Scheduler
 from shared.bus import BLOCK_MS, RECONNECT_ERRORS, Backoff, connect_async, decode_entry, retry_async
 from shared.keys import FIELD, PLANS_MAXLEN, Keys
 from shared.log import setup_logging
+from shared.out_stream import OutOfOrder, OutputFold
 from shared.protocol import (
-    Abort, ProtocolError, Request, StepResult, TokenOutput, WorkerGone, WorkerRegistration, decode, encode,
+    Abort, Assignment, ProtocolError, Request, StepResult, TokenOutput, WorkerGone, WorkerRegistration, decode,
+    encode,
 )
 from shared.settings import Settings
 
@@ -110,25 +111,22 @@ class SchedulerService:
         if req is None:
             await self._drop(entry_id)
             return
-        outputs: dict[int, dict[int, int]] = defaultdict(dict)
-        ended: set[int] = set()
-        for _, out_fields in await self.client.xrange(self.keys.out(req.rid)):
+        key = self.keys.out(req.rid)
+        # A fence first: a worker of the old epoch still writing cannot add a token after what is read here.
+        await self.client.xadd(key, {FIELD: encode(Assignment(req.rid, "", self.core.epoch))})
+        fold = OutputFold(req.params.n, req.params.max_tokens)
+        for out_id, out_fields in await self.client.xrange(key):
+            out = decode_entry(key, out_id, out_fields, (TokenOutput, Assignment))
             try:
-                out = decode(out_fields[FIELD.encode()], TokenOutput)
-            except (ProtocolError, KeyError):
+                if out is not None:
+                    fold.apply(out)
+            except OutOfOrder:
                 continue
-            if out.sample_index < 0:
-                await self._drop(entry_id)
-                return
-            outputs[out.sample_index][out.output_index] = out.token_id
-            if out.finish_reason is not None:
-                ended.add(out.sample_index)
-        if len(ended) == req.params.n:
+        if fold.ended or all(r is not None for r in fold.finish_reasons):
             await self._drop(entry_id)
             return
-        tokens = {i: [toks[k] for k in sorted(toks)] for i, toks in outputs.items()}
         self.entry_ids[req.rid] = entry_id
-        self.core.add_request(req, tokens)
+        self.core.add_request(req, dict(enumerate(fold.tokens)))
 
     async def _drop(self, entry_id: bytes) -> None:
         pipe = self.client.pipeline(transaction=True)
@@ -227,7 +225,9 @@ class SchedulerService:
     async def pump(self) -> None:
         """Plan every idle worker's next step, settle ended requests; one Redis round trip."""
         async with self.pump_lock:
-            commands: list[tuple[str, tuple, dict]] = []
+            commands: list[tuple[str, tuple, dict]] = [
+                ("xadd", (self.keys.out(rid), {FIELD: encode(Assignment(rid, worker_id, self.core.epoch))}), {})
+                for rid, worker_id in self.core.pop_placements()]
             for worker_id in self.core.worker_ids:
                 while (plan := self.core.schedule(worker_id)) is not None:  # a step, then its lookahead
                     commands.append(("xadd", (self.keys.plans(worker_id), {FIELD: encode(plan)}),

@@ -17,7 +17,7 @@ import msgpack
 
 from shared.sampling import ParamError, SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 # Why the scheduler ended a request with an error, so the gateway can answer with the right status.
 REJECTED = "rejected"  # the request can never be served as sent (e.g. longer than any worker's cache): 400
 UNAVAILABLE = "unavailable"  # no worker took it in time: 503, worth retrying
@@ -38,6 +38,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    gateway_id: str = ""  # the submitting gateway's instance: its requests are aborted once it is gone
 
 
 @dataclass(slots=True)
@@ -58,6 +59,7 @@ class WorkerRegistration:
     max_model_len: int
     eos_token_ids: list[int]
     instance: str = ""  # one per worker process: a restart under the same id registers anew
+    vocab_size: int = 0  # token ids run from 0 to vocab_size - 1 (0: unknown)
 
 
 @dataclass(slots=True)
@@ -113,8 +115,21 @@ class StepPlan:
 
 
 @dataclass(slots=True)
+class PromptLogprob:
+    """The model's log-probability of one prompt token given the tokens before it."""
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+
+
+@dataclass(slots=True)
 class TokenOutput:
     """One sampled token (`out:{rid}` stream, and inside a step result).
+
+    Written by the worker the request is assigned to, with its id and the plan's epoch (readers drop
+    entries from any other writer: see shared/out_stream.py). The first token of a sample carries
+    `num_cached_tokens` (prompt tokens its prefill found in the prefix cache) and, when the request
+    asked for them, `prompt_logprobs` (one per prompt token after the first).
 
     The scheduler ends each request with an entry of `sample_index` -1: `finish_reason` "error" with
     `error` (the message) and `error_kind` (REJECTED, UNAVAILABLE or FAILED) for a failure, else the
@@ -129,6 +144,20 @@ class TokenOutput:
     finish_reason: str | None = None
     error: str | None = None
     error_kind: str | None = None
+    worker_id: str = ""
+    epoch: int = 0
+    num_cached_tokens: int | None = None
+    prompt_logprobs: list[PromptLogprob] | None = None
+
+
+@dataclass(slots=True)
+class Assignment:
+    """scheduler → `out:{rid}`: from here on, only this worker's entries of this epoch are the request's
+    tokens. Written when a request is placed on a worker (and, with `worker_id` "", as a fence when a
+    scheduler resumes the request after a restart), before any plan that runs it."""
+    rid: str
+    worker_id: str
+    epoch: int
 
 
 @dataclass(slots=True)
@@ -162,7 +191,8 @@ class SchedulerStats:
     workers: list[WorkerStats] = field(default_factory=list)
 
 
-Message = Union[Request, Abort, WorkerRegistration, WorkerGone, StepPlan, StepResult, TokenOutput, SchedulerStats]
+Message = Union[Request, Abort, WorkerRegistration, WorkerGone, StepPlan, StepResult, TokenOutput, Assignment,
+                SchedulerStats]
 MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(Message)}
 
 

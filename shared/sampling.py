@@ -33,6 +33,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None = none; k = the chosen token's logprob plus the top k
+    prompt_logprobs: int | None = None  # None = none; k = each prompt token's logprob plus the top k
 
     @property
     def greedy(self) -> bool:
@@ -60,6 +61,8 @@ class SamplingParams:
                 raise ParamError("stop_token_ids", f"stop_token_ids must be token ids of 0 or more; got {t}")
         if self.logprobs is not None:
             _in_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _in_range("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         return self
 
 

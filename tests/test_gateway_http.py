@@ -5,6 +5,7 @@ chat (whole and streamed), stop strings and aborts, failures, disconnects, and a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import shutil
 import threading
@@ -26,7 +27,7 @@ from gateway.app import create_app
 from gateway.model import ServedModel
 from shared.keys import FIELD, Keys
 from shared.protocol import (
-    FAILED, REJECTED, UNAVAILABLE, Abort, Request, SchedulerStats, TokenOutput, WorkerRegistration, WorkerStats,
+    FAILED, REJECTED, UNAVAILABLE, Abort, Assignment, Request, SchedulerStats, TokenOutput, WorkerRegistration, WorkerStats,
     decode, encode,
 )
 from shared.settings import Settings
@@ -35,8 +36,15 @@ KEYS = Keys()
 Script = Callable[[Request], list[TokenOutput]]
 
 
+def as_placed(req: Request, outs: list[TokenOutput]) -> list[Assignment | TokenOutput]:
+    """The entries of `req`'s stream had the scheduler placed it on worker "w0": the Assignment, then the
+    tokens written as w0's."""
+    return [Assignment(req.rid, "w0", 1)] + [dataclasses.replace(o, worker_id="w0", epoch=1) if o.sample_index >= 0
+                                             else o for o in outs]
+
+
 class Driver:
-    """The scheduler's side of the bus for tests: each request gets the entries `script` returns."""
+    """The scheduler's side of the bus for tests: each request gets the entries `script` returns, as placed."""
 
     def __init__(self, url: str, script: Script) -> None:
         self.url = url
@@ -53,8 +61,8 @@ class Driver:
                         cursor = entry_id
                         req = decode(fields[FIELD.encode()], Request)
                         self.requests.append(req)
-                        for out in self.script(req):
-                            await client.xadd(KEYS.out(req.rid), {FIELD: encode(out)})
+                        for entry in as_placed(req, self.script(req)):
+                            await client.xadd(KEYS.out(req.rid), {FIELD: encode(entry)})
         finally:
             await client.aclose()
 
@@ -140,8 +148,10 @@ def answer(model: ServedModel, texts: list[str], finish: str | None = "length", 
         outs = []
         for s in range(req.params.n if texts else 0):
             ids = tokens(model, texts[s % len(texts)])
+            cut = len(ids) > req.params.max_tokens  # as a worker does, never past max_tokens
+            ids = ids[:req.params.max_tokens]
             for i, t in enumerate(ids):
-                end = finish if i == len(ids) - 1 else None
+                end = ("length" if cut else finish) if i == len(ids) - 1 else None
                 outs.append(TokenOutput(req.rid, s, i, t, logprob=-0.25 * (i + 1),
                                         top_logprobs=[(t, -0.25 * (i + 1)), (7, -3.0)], finish_reason=end))
         if error is not None:
@@ -525,8 +535,9 @@ def test_a_waiting_request_survives_a_redis_restart(own_redis, tiny_model_dir, m
         ((_, fields),) = redis.Redis.from_url(own_redis.url).xrange(KEYS.requests)
         own_redis.restart()  # the gateway's blocking read loses its connection and must come back
         r = redis.Redis.from_url(own_redis.url)
-        for out in answer(model, [text])(decode(fields[FIELD.encode()], Request)):
-            r.xadd(KEYS.out(out.rid), {FIELD: encode(out)})
+        req = decode(fields[FIELD.encode()], Request)
+        for entry in as_placed(req, answer(model, [text])(req)):
+            r.xadd(KEYS.out(req.rid), {FIELD: encode(entry)})
         reply = pending.result(60)
     assert reply.status == 200, reply.text
     assert reply.json()["choices"][0]["text"] == text

@@ -13,7 +13,7 @@ from gateway.detokenizer import IncrementalDetokenizer
 from gateway.generation import RequestTracker
 from gateway.model import Tokenizer
 from gateway.stop import StopStrings
-from shared.protocol import TokenOutput
+from shared.protocol import Assignment, TokenOutput
 
 MULTIBYTE = ["Größe, café, naïve — 東京 🚀 and 🚀🚀 again", "東京東京東京", "🚀", "a 🚀 b 東 c é"]
 
@@ -87,13 +87,21 @@ def test_stop_string_split_over_deltas_is_held_back_then_dropped():
 
 def outputs(rid: str, sample: int, ids: list[int], finish: str = "length") -> list[TokenOutput]:
     return [TokenOutput(rid, sample, i, t, logprob=-0.5, top_logprobs=[(t, -0.5)],
-                        finish_reason=finish if i == len(ids) - 1 else None) for i, t in enumerate(ids)]
+                        finish_reason=finish if i == len(ids) - 1 else None, worker_id="w0", epoch=1)
+            for i, t in enumerate(ids)]
+
+
+def placed_tracker(rid: str, n: int, prompt: list[int], decode, stops: list[str]) -> RequestTracker:
+    """A tracker whose request the scheduler has placed on worker w0 in epoch 1."""
+    made = RequestTracker(rid, n, 64, prompt, decode, stops)
+    made.apply(Assignment(rid, "w0", 1))
+    return made
 
 
 def test_tracker_dedupes_interleaves_samples_and_applies_stop_strings(tok):
     a = tok.hf("one two three", add_special_tokens=False)["input_ids"]
     b = tok.hf("東京 🚀 END rest", add_special_tokens=False)["input_ids"]
-    tracker = RequestTracker("r", 2, tok.encode("Q"), tok.decode, ["END"])
+    tracker = placed_tracker("r", 2, tok.encode("Q"), tok.decode, ["END"])
     # Sample 1 is still running on the bus when its text hits the stop string.
     stream_a, stream_b = outputs("r", 0, a), outputs("r", 1, b)[:-1]
     entries = [e for i in range(max(len(a), len(b))) for e in (stream_a[i:i + 1] + stream_b[i:i + 1])]
@@ -110,10 +118,10 @@ def test_tracker_dedupes_interleaves_samples_and_applies_stop_strings(tok):
 
 def test_tracker_leaves_out_the_text_of_a_stop_token_and_ends_on_a_request_error(tok):
     ids = tok.hf("hi there</s>", add_special_tokens=False)["input_ids"]
-    tracker = RequestTracker("r", 1, [], tok.decode, [])
+    tracker = placed_tracker("r", 1, [], tok.decode, [])
     text = "".join(d.text for e in outputs("r", 0, ids, finish="stop") for d in tracker.apply(e))
     assert text == "hi there" and not tracker.needs_abort
-    failing = RequestTracker("q", 1, [], tok.decode, [])
+    failing = placed_tracker("q", 1, [], tok.decode, [])
     assert failing.apply(TokenOutput("q", -1, 0, 0, finish_reason="error", error="too long")) == []
     assert failing.finished and failing.error == "too long" and not failing.needs_abort
     assert failing.apply(TokenOutput("other", 0, 0, 5)) == []
@@ -121,7 +129,7 @@ def test_tracker_leaves_out_the_text_of_a_stop_token_and_ends_on_a_request_error
 
 def test_tracker_ends_running_samples_when_the_scheduler_ends_the_request(tok):
     ids = tok.hf("one two", add_special_tokens=False)["input_ids"]
-    tracker = RequestTracker("r", 2, [], tok.decode, [])
+    tracker = placed_tracker("r", 2, [], tok.decode, [])
     for e in outputs("r", 0, ids, finish="stop"):
         tracker.apply(e)
     tracker.apply(outputs("r", 1, ids)[0])

@@ -22,7 +22,7 @@ NEW_TOKENS = 32
 def worker_for(model_dir, **settings) -> Worker:
     settings.setdefault("num_blocks", NUM_BLOCKS)
     settings.setdefault("block_size", BLOCK_SIZE)
-    return Worker(Settings(model=str(model_dir), **settings), progress=False)
+    return Worker.load(Settings(model=str(model_dir), **settings), progress=False)
 
 
 def generate(worker: Worker, batch: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:

@@ -27,7 +27,7 @@ def model(request, tmp_path_factory):
 
 def make_worker(model_dir, **settings) -> tuple[Worker, PlanBuilder]:
     settings.setdefault("num_blocks", NUM_BLOCKS)
-    worker = Worker(Settings(model=str(model_dir), block_size=BLOCK_SIZE, swap_space_bytes=1 << 20, **settings),
+    worker = Worker.load(Settings(model=str(model_dir), block_size=BLOCK_SIZE, swap_space_bytes=1 << 20, **settings),
                     progress=False)
     reg = worker.registration
     return worker, PlanBuilder(reg.worker_id, reg.num_blocks, BLOCK_SIZE, reg.num_swap_blocks)
