@@ -122,15 +122,16 @@ QUICK = Plan(rates=[2, 8], prefix_rates=[4], min_prompts=12, max_prompts=12)
 def server_commands(model: Path, plan: Plan) -> dict[str, list[str]]:
     """Server command line per system label, without the port. The baseline's token budget is the usable
     part of a worker's cache (block 0 is the null block); its batch cap is pagedserve's max_num_seqs."""
-    up = [sys.executable, "-m", "pagedserve", "up", "--model", str(model), "--max-model-len", str(plan.max_model_len),
-          "--num-blocks", str(plan.num_blocks), *plan.up_args]
+    stack = ["--model", str(model), "--max-model-len", str(plan.max_model_len), "--num-blocks", str(plan.num_blocks),
+             *plan.up_args]
+    up = [sys.executable, "-m", "pagedserve", "up", *stack]
     defaults = Settings()
     budget = (plan.num_blocks - 1) * defaults.block_size
     return {
         BASELINE: [sys.executable, "-m", "benchmarks.hf_static_server", "--model", str(model),
                    "--max-batch-size", str(defaults.max_num_seqs), "--kv-budget-tokens", str(budget),
                    *plan.baseline_args],
-        CONTIGUOUS: [*up, "--workers", "1", "--kv-reservation", "max_model_len"],
+        CONTIGUOUS: [sys.executable, "-m", "benchmarks.contiguous", "up", *stack, "--workers", "1"],
         PAGED: [*up, "--workers", "1"],
         PAGED_2W: [*up, "--workers", "2"],
         PREFIX_ON: [*up, "--workers", "1", "--enable-prefix-caching"],

@@ -2,7 +2,7 @@
 
 A synthetic trace with the vLLM paper's length statistics (benchmarks.workloads: ShareGPT-like and
 Alpaca-like lognormal lengths, Poisson arrivals, fixed seed) is replayed step by step, with no model,
-through (1) the real `Scheduler` with a fixed block budget and (2) Orca-style contiguous allocators that
+through (1) the real scheduler core (`Cluster`) with a fixed block budget and (2) Orca-style contiguous allocators that
 reserve, per request, max_model_len / the next power of two of its true length / exactly its true length
 (those baselines live only here). The arrival rate exceeds what the memory holds, so every system is
 memory-bound; each figure is a mean over the steps in which a request was waiting:
@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 from benchmarks.token_worker import TokenWorker
 from benchmarks.workloads import WorkloadSpec, arrival_times, build_requests
-from scheduler.scheduler import Scheduler
+from benchmarks.contiguous import ReservingLookaheadScheduler
+from scheduler.cluster import Cluster
 from shared.protocol import Request, WorkerRegistration
 from shared.sampling import SamplingParams
 from shared.settings import Settings
@@ -88,12 +89,11 @@ def mean(values: list[float]) -> float:
 
 
 # ---- paged: the real scheduler ------------------------------------------------------------------
-def run_paged(jobs: list[Job], cfg: Config, *, caching: bool = False, reservation: str = "paged") -> Tally:
+def run_paged(jobs: list[Job], cfg: Config, *, caching: bool = False, reserving: bool = False) -> Tally:
     settings = Settings(block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
-                        max_num_batched_tokens=cfg.max_num_batched_tokens, enable_prefix_caching=caching,
-                        kv_reservation=reservation)
+                        max_num_batched_tokens=cfg.max_num_batched_tokens, enable_prefix_caching=caching)
     reg = WorkerRegistration("w0", "bench", cfg.num_blocks + 1, 0, cfg.block_size, cfg.max_model_len, [0])
-    sched = Scheduler(settings)
+    sched = Cluster(settings, worker_scheduler=ReservingLookaheadScheduler if reserving else None)
     sched.add_worker(reg)
     worker = TokenWorker(reg)
     ws = sched.workers["w0"]
@@ -206,7 +206,7 @@ def utilization_table(name: str, jobs: list[Job], cfg: Config) -> None:
     rows += [(label, run_contiguous(jobs, cfg, policy))
              for label, policy in (("contiguous, max_model_len", "max"), ("contiguous, next pow2", "pow2"),
                                    ("contiguous, exact length", "exact"))]
-    rows.append(("paged blocks, max_model_len reserved", run_paged(jobs, cfg, reservation="max_model_len")))
+    rows.append(("paged blocks, max_model_len reserved", run_paged(jobs, cfg, reserving=True)))
     ins = statistics.fmean(len(j.prompt) for j in jobs)
     outs = statistics.fmean(j.output_len for j in jobs)
     print(f"\n{name}: {len(jobs)} requests, mean prompt {ins:.0f} / output {outs:.0f} tokens; KV memory "

@@ -1,8 +1,8 @@
 """Scheduler overhead: CPU time of one scheduling step (plan + apply result) per running batch size.
 
 Every request shares a system prefix, then decodes with `ignore_eos`; once all of them run in decode,
-each step schedules one token for each of them. Timed: `Scheduler.schedule` plus
-`Scheduler.apply_result`; the model-free worker that makes the result is not timed.
+each step schedules one token for each of them. Timed: `Cluster.schedule` plus
+`Cluster.apply_result`; the model-free worker that makes the result is not timed.
 
     python -m benchmarks.scheduler_overhead [--seqs 64 256 1024] [--steps 300] [--quick]
 """
@@ -14,7 +14,7 @@ import statistics
 import time
 
 from benchmarks.token_worker import TokenWorker
-from scheduler.scheduler import Scheduler
+from scheduler.cluster import Cluster
 from shared.protocol import Request, WorkerRegistration
 from shared.sampling import SamplingParams
 from shared.settings import Settings
@@ -29,7 +29,7 @@ def measure(num_seqs: int, caching: bool, steps: int, prompt_len: int, prefix_le
     settings = Settings(block_size=block_size, max_num_seqs=num_seqs, max_num_batched_tokens=max(8192, num_seqs),
                         enable_prefix_caching=caching)
     reg = WorkerRegistration("w0", "bench", num_blocks, 0, block_size, max_len + 1, [0])
-    sched = Scheduler(settings)
+    sched = Cluster(settings)
     sched.add_worker(reg)
     worker = TokenWorker(reg)
     prefix = [rng.randrange(1, 32000) for _ in range(prefix_len)]

@@ -129,6 +129,8 @@ class WorkerService:
         def publish() -> list:
             pipe = self.client.pipeline(transaction=True)
             for out in result.outputs:
+                if out.sample_index < 0:
+                    continue  # a request it could not run: the scheduler ends it on its stream
                 key = self.keys.out(out.rid)
                 pipe.xadd(key, {FIELD: encode(out)})
                 if out.output_index % EXPIRY_REFRESH_TOKENS == 0:  # abandoned streams expire

@@ -2,10 +2,13 @@
 
 It keeps each sequence's tokens, parameters and block table between steps and applies a plan in the
 order the protocol fixes (shared/protocol.py, StepPlan): new epoch → forget finished → swap out →
-swap in → copies → register new sequences → one forward pass → sample. A plan that contradicts the
-worker's state is refused whole, before anything changes, with a StepResult carrying the error. A
-sequence that ended here (its last token out, or its step failed or was refused) is skipped from then
-on: with async scheduling the plan after it was made before the scheduler knew.
+swap in → copies → register new sequences → one forward pass → sample. A sequence the plan cannot run
+(token ids outside the vocabulary, an unknown id, a table that does not cover its tokens) is refused
+alone: its request gets a failure entry in the result and the rest of the step runs. A plan that is
+unusable as a whole (another worker's, block moves out of range) is refused before anything changes,
+with a StepResult carrying the error. A sequence that ended here (its last token out, or its step
+failed, or it was refused) is skipped from then on: with async scheduling the plan after it was made
+before the scheduler knew.
 """
 from __future__ import annotations
 
@@ -15,8 +18,8 @@ from typing import Protocol
 from gpu_worker.sampler import SampledToken
 from gpu_worker.sequence import SequenceState
 from shared import model_dir as model_dirs
-from shared.protocol import NewSequence, StepPlan, StepResult, TokenOutput, WorkerRegistration
-from shared.sampling import ParamError, finish_reason
+from shared.protocol import ScheduledSequence, StepPlan, StepResult, TokenOutput, WorkerRegistration
+from shared.sampling import finish_reason
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -78,7 +81,7 @@ class Worker:
     def execute(self, plan: StepPlan) -> StepResult:
         reg = self._registration
         try:
-            self._check(plan)
+            failed = self._check(plan)
         except PlanError as e:
             log.error("refused step %d of epoch %d: %s", plan.step_id, plan.epoch, e)
             self._enter_epoch(plan.epoch)
@@ -87,13 +90,16 @@ class Worker:
             return StepResult(reg.worker_id, plan.epoch, plan.step_id, error=f"bad step plan: {e}")
         self._enter_epoch(plan.epoch)
         self._forget(plan.finished)
+        refusals = self._refusals(plan, failed)
         cache = self.runner.cache
         cache.swap_out(plan.swap_out)
         cache.swap_in(plan.swap_in)
         cache.copy(plan.copies)
         for msg in plan.new_sequences:
-            self.seqs[msg.seq_id] = SequenceState.from_message(msg)
-            self.ended.discard(msg.seq_id)  # an id named by a refused plan that never registered it
+            if msg.seq_id not in failed:
+                self.seqs[msg.seq_id] = SequenceState.from_message(msg)
+                self.ended.discard(msg.seq_id)  # an id named by a refused plan that never registered it
+        self.ended.update(failed)
         chunks = []
         for item in plan.scheduled:
             if item.seq_id in self.ended:
@@ -109,7 +115,7 @@ class Worker:
         except Exception:
             self.ended.update(self._step_seq_ids(plan))
             raise
-        outputs = []
+        outputs = refusals
         for seq, sampled in sampled_tokens:
             output_index = seq.num_output_tokens
             seq.token_ids.append(sampled.token_id)
@@ -120,6 +126,21 @@ class Worker:
             outputs.append(TokenOutput(seq.rid, seq.sample_index, output_index, sampled.token_id, sampled.logprob,
                                        sampled.top_logprobs, reason, worker_id=reg.worker_id, epoch=plan.epoch))
         return StepResult(reg.worker_id, plan.epoch, plan.step_id, outputs)
+
+    def _refusals(self, plan: StepPlan, failed: dict[int, str]) -> list[TokenOutput]:
+        """One failure entry per request with a sequence the plan cannot run (the scheduler fails that request;
+        the rest of the step runs)."""
+        rids = {m.seq_id: m.rid for m in plan.new_sequences} | {sid: s.rid for sid, s in self.seqs.items()}
+        refused: dict[str, str] = {}
+        for seq_id, reason in failed.items():
+            if seq_id in rids:
+                refused.setdefault(rids[seq_id], reason)
+        for rid, reason in refused.items():
+            log.error("step %d of epoch %d: refused the sequences of request %s: %s", plan.step_id, plan.epoch,
+                      rid, reason)
+        return [TokenOutput(rid, -1, 0, -1, finish_reason="error", error=f"bad step plan: {reason}",
+                            worker_id=self._registration.worker_id, epoch=plan.epoch)
+                for rid, reason in refused.items()]
 
     def _enter_epoch(self, epoch: int) -> None:
         """A new scheduler: what the old one had sent means nothing now."""
@@ -137,8 +158,10 @@ class Worker:
     def _step_seq_ids(plan: StepPlan) -> list[int]:
         return [m.seq_id for m in plan.new_sequences] + [item.seq_id for item in plan.scheduled]
 
-    def _check(self, plan: StepPlan) -> None:
-        """Raise PlanError unless the whole plan is executable against the state it will meet."""
+    def _check(self, plan: StepPlan) -> dict[int, str]:
+        """Raise PlanError when the plan as a whole cannot run against the state it will meet (another
+        worker's, block moves out of range, a sequence sent twice); return the sequences it names that cannot
+        run (seq id → why): those alone are refused."""
         reg = self._registration
         if plan.worker_id != reg.worker_id:
             raise PlanError(f"plan for worker {plan.worker_id!r} reached {reg.worker_id!r}")
@@ -146,56 +169,59 @@ class Worker:
         _check_pairs("swap_out", plan.swap_out, (1, reg.num_blocks), (0, reg.num_swap_blocks))
         _check_pairs("swap_in", plan.swap_in, (0, reg.num_swap_blocks), (1, reg.num_blocks))
         _check_pairs("copies", plan.copies, (1, reg.num_blocks), (1, reg.num_blocks))
+        failed: dict[int, str] = {}
         lengths: dict[int, int] = {}
         for msg in plan.new_sequences:
             if msg.seq_id in live:
                 raise PlanError(f"new sequence {msg.seq_id} is already known")
-            self._check_new(msg)
-            live.add(msg.seq_id)
-            lengths[msg.seq_id] = len(msg.prompt_token_ids) + len(msg.output_token_ids)
+            tokens = [*msg.prompt_token_ids, *msg.output_token_ids]
+            bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+            if not msg.prompt_token_ids:
+                failed[msg.seq_id] = f"new sequence {msg.seq_id} has an empty prompt"
+            elif bad:
+                failed[msg.seq_id] = (f"new sequence {msg.seq_id} has token ids outside the vocabulary "
+                                      f"(0..{self.vocab_size - 1}): {bad[:4]}")
+            else:
+                live.add(msg.seq_id)
+                lengths[msg.seq_id] = len(tokens)
         seen = set()
         ended = (self.ended - set(plan.finished) - {m.seq_id for m in plan.new_sequences}
                  if plan.epoch == self.epoch else set())
         for item in plan.scheduled:
             sid = item.seq_id
-            if sid in ended:
+            if sid in ended or sid in failed:
                 continue  # skipped, whatever the plan says of it
-            if sid not in live:
-                raise PlanError(f"sequence {sid} is scheduled but unknown (never sent or already finished)")
-            if sid in seen:
-                raise PlanError(f"sequence {sid} is scheduled twice")
+            reason = self._item_problem(item, sid in live, lengths.get(sid), sid in seen)
             seen.add(sid)
-            length = lengths[sid] if sid in lengths else len(self.seqs[sid].token_ids)
-            end = item.num_computed_tokens + item.num_new_tokens
-            if item.num_computed_tokens < 0 or item.num_new_tokens < 1 or end > length:
-                raise PlanError(f"sequence {sid} of {length} tokens cannot compute tokens "
-                                f"[{item.num_computed_tokens}, {end})")
-            if end > reg.max_model_len:
-                raise PlanError(f"sequence {sid} reaches {end} tokens, beyond max_model_len {reg.max_model_len}")
-            if item.block_table is not None:
-                table_len = len(item.block_table)
-                added = item.block_table
-            else:
-                table_len = (0 if sid in lengths else len(self.seqs[sid].block_table)) + len(item.new_block_ids)
-                added = item.new_block_ids
-            bad = [b for b in added if not 1 <= b < reg.num_blocks]
-            if bad:
-                raise PlanError(f"sequence {sid} got block ids outside 1..{reg.num_blocks - 1}: {bad[:4]}")
-            if table_len * reg.block_size < end:
-                raise PlanError(f"sequence {sid}'s block table of {table_len} blocks does not cover {end} tokens")
+            if reason is not None:
+                failed[sid] = reason
+        return failed
 
-    def _check_new(self, msg: NewSequence) -> None:
-        tokens = [*msg.prompt_token_ids, *msg.output_token_ids]
-        if not msg.prompt_token_ids:
-            raise PlanError(f"new sequence {msg.seq_id} has an empty prompt")
-        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+    def _item_problem(self, item: ScheduledSequence, known: bool, new_length: int | None, again: bool) -> str | None:
+        """Why one scheduled sequence cannot run, or None."""
+        reg = self._registration
+        sid = item.seq_id
+        if not known:
+            return f"sequence {sid} is scheduled but unknown (never sent or already finished)"
+        if again:
+            return f"sequence {sid} is scheduled twice"
+        length = new_length if new_length is not None else len(self.seqs[sid].token_ids)
+        end = item.num_computed_tokens + item.num_new_tokens
+        if item.num_computed_tokens < 0 or item.num_new_tokens < 1 or end > length:
+            return f"sequence {sid} of {length} tokens cannot compute tokens [{item.num_computed_tokens}, {end})"
+        if end > reg.max_model_len:
+            return f"sequence {sid} reaches {end} tokens, beyond max_model_len {reg.max_model_len}"
+        if item.block_table is not None:
+            table_len, added = len(item.block_table), item.block_table
+        else:
+            table_len = (0 if new_length is not None else len(self.seqs[sid].block_table)) + len(item.new_block_ids)
+            added = item.new_block_ids
+        bad = [b for b in added if not 1 <= b < reg.num_blocks]
         if bad:
-            raise PlanError(f"new sequence {msg.seq_id} has token ids outside the vocabulary "
-                            f"(0..{self.vocab_size - 1}): {bad[:4]}")
-        try:
-            msg.params.validate()
-        except ParamError as e:
-            raise PlanError(f"new sequence {msg.seq_id}: {e}") from None
+            return f"sequence {sid} got block ids outside 1..{reg.num_blocks - 1}: {bad[:4]}"
+        if table_len * reg.block_size < end:
+            return f"sequence {sid}'s block table of {table_len} blocks does not cover {end} tokens"
+        return None
 
 
 def _check_pairs(name: str, pairs: list[tuple[int, int]], src_range: tuple[int, int],

@@ -1,8 +1,8 @@
 """Pure-torch paged attention: the CPU runtime path and the oracle for the Triton kernels.
 
-Cache layout (DESIGN.md): per layer, key and value tensors `[num_blocks, block_size, num_kv_heads,
-head_dim]`; the token at position p of a sequence lives in slot
-`block_table[p // block_size] * block_size + p % block_size`.
+Cache layout (the worker's CacheEngine allocates it, the scheduler's block tables index it): per layer, key
+and value tensors `[num_blocks, block_size, num_kv_heads, head_dim]`; the token at position p of a sequence
+lives in slot `block_table[p // block_size] * block_size + p % block_size`.
 """
 from __future__ import annotations
 

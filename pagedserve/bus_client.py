@@ -10,6 +10,7 @@ import uuid
 
 import redis
 
+from shared.bus import read_registry, registry_query
 from shared.keys import FIELD, Keys
 from shared.out_stream import OutOfOrder, OutputFold
 from shared.protocol import Assignment, Request, SchedulerStats, TokenOutput, WorkerRegistration, decode, encode
@@ -83,12 +84,13 @@ class BusClient:
     def generated_count(self, rids: list[str]) -> int:
         return sum(len(s) for r in rids for s in self.folds[r].tokens)
 
-    def workers(self) -> dict[str, WorkerRegistration]:
-        raw = self.redis.hgetall(self.keys.workers)
-        return {k.decode(): decode(v, WorkerRegistration) for k, v in raw.items()}
+    def workers(self) -> dict[str, tuple[WorkerRegistration, bool]]:
+        """Every registered worker: its registration, and whether its heartbeat is alive."""
+        return {w: (decode(payload, WorkerRegistration), alive)
+                for w, payload, alive in read_registry(self.redis.eval(*registry_query(self.keys)))}
 
     def live_workers(self) -> list[str]:
-        return sorted(w for w in self.workers() if self.redis.exists(self.keys.heartbeat(w)))
+        return sorted(w for w, (_, alive) in self.workers().items() if alive)
 
     def stats(self) -> SchedulerStats | None:
         raw = self.redis.get(self.keys.stats)

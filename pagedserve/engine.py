@@ -1,7 +1,9 @@
-"""The in-process engine: the scheduler core and worker cores wired together with no Redis.
+"""The in-process engine: the cluster core and worker cores wired together with no Redis.
 
-The same plans and results the services pass over the bus pass here by function call, so the
-services must produce exactly this engine's tokens. Tests, benchmarks and the offline API use it.
+The same plans and results the services pass over the bus pass here by function call, in the same
+order: each step, every worker gets the plans its scheduler will give (with async scheduling, the step
+and its lookahead), runs the oldest, and its result goes back. So the services must produce exactly
+this engine's tokens. Tests, benchmarks and the offline API use it.
 """
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from shared.protocol import Request, TokenOutput
+from shared.protocol import Request, StepPlan, TokenOutput
 from shared.sampling import SamplingParams
 from shared.settings import Settings
 
@@ -37,15 +39,17 @@ class Completion:
 class Engine:
     def __init__(self, settings: Settings, num_workers: int = 1) -> None:
         from gpu_worker.worker import Worker
-        from scheduler.scheduler import Scheduler
+        from scheduler.cluster import Cluster
 
         self.settings = settings
-        self.scheduler = Scheduler(settings)
+        self.cluster = Cluster(settings)
         self.workers = {}
+        self.queued: dict[str, list[StepPlan]] = {}  # plans sent to each worker, not yet run
         for i in range(num_workers):
             worker = Worker.load(settings, f"worker-{i}")
             self.workers[worker.registration.worker_id] = worker
-            self.scheduler.add_worker(worker.registration)
+            self.queued[worker.registration.worker_id] = []
+            self.cluster.add_worker(worker.registration)
         first = next(iter(self.workers.values())).registration
         self.model_id = first.model_id
         self.max_model_len = first.max_model_len
@@ -55,24 +59,26 @@ class Engine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, rid: str | None = None) -> str:
         rid = rid or f"req-{next(self._ids)}"
         params.validate()
-        self.scheduler.add_request(Request(rid, self.model_id, list(prompt_token_ids), params, time.time()))
+        self.cluster.add_request(Request(rid, self.model_id, list(prompt_token_ids), params, time.time()))
         self.completions[rid] = Completion(rid, list(prompt_token_ids), [Sample() for _ in range(params.n)])
         return rid
 
     def abort(self, rid: str) -> None:
-        self.scheduler.abort(rid)
+        self.cluster.abort(rid, "abort", time.time())
 
     def step(self) -> list[TokenOutput]:
         """One step on every worker that has work; returns the tokens it produced."""
         outputs: list[TokenOutput] = []
-        planned = False
+        ran = False
         for worker_id, worker in self.workers.items():
-            plan = self.scheduler.schedule(worker_id)
-            if plan is None:
+            queued = self.queued[worker_id]
+            while (plan := self.cluster.schedule(worker_id)) is not None:
+                queued.append(plan)
+            if not queued:
                 continue
-            planned = True
-            result = worker.execute(plan)
-            self.scheduler.apply_result(result)
+            ran = True
+            result = worker.execute(queued.pop(0))
+            self.cluster.apply_result(result)
             outputs.extend(result.outputs)
         for out in outputs:
             sample = self.completions[out.rid].samples[out.sample_index]
@@ -80,13 +86,13 @@ class Engine:
             sample.logprobs.append(out.logprob)
             sample.top_logprobs.append(out.top_logprobs)
             sample.finish_reason = out.finish_reason
-        if not self._settle() and not planned and self.scheduler.has_unfinished():
+        if not self._settle() and not ran and self.cluster.has_unfinished():
             raise RuntimeError("the scheduler planned nothing while requests are unfinished")
         return outputs
 
     def _settle(self) -> int:
         """Record requests that ended (finished, aborted, rejected); returns how many."""
-        finished = self.scheduler.pop_finished()
+        finished = self.cluster.pop_finished()
         for done in finished:
             completion = self.completions[done.rid]
             completion.error = done.error
@@ -95,7 +101,7 @@ class Engine:
         return len(finished)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.cluster.has_unfinished() or any(self.queued.values())
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
         """Run prompts (token ids) to completion, batched together; completions in prompt order."""

@@ -101,6 +101,7 @@ class Stack:
     redis: subprocess.Popen | None = None
     redis_dir: Path | None = None
     stopping: bool = False
+    scheduler_module: str = "scheduler"  # benchmarks run baselines' schedulers in the same stack
 
     def spawn(self, name: str, module: str, env: dict[str, str] | None = None, is_worker: bool = False) -> None:
         """Start `python -m module` with the settings as PAGEDSERVE_* variables (plus `env`)."""
@@ -117,7 +118,7 @@ class Stack:
         say(f"started {name} (pid {proc.pid})")
 
     def start_scheduler(self, name: str = "scheduler") -> None:
-        self.spawn(name, "scheduler")
+        self.spawn(name, self.scheduler_module)
 
     def start_worker(self, worker_id: str) -> None:
         self.spawn(worker_id, "gpu_worker", {ENV_PREFIX + "WORKER_ID": worker_id}, is_worker=True)
@@ -240,7 +241,7 @@ def ensure_model(settings: Settings) -> Settings:
     return settings.replace(model=str(path))
 
 
-def up(settings: Settings, workers: int, redis_port: int = 0) -> int:
+def up(settings: Settings, workers: int, redis_port: int = 0, scheduler_module: str = "scheduler") -> int:
     """Run the stack until Ctrl-C/SIGTERM (0) or until a child dies (1); 2 for bad arguments."""
     if workers < 1:
         say(f"--workers must be at least 1; got {workers}")
@@ -251,7 +252,7 @@ def up(settings: Settings, workers: int, redis_port: int = 0) -> int:
     except ModelDirError as e:
         say(str(e))
         return 2
-    stack = Stack(settings)
+    stack = Stack(settings, scheduler_module=scheduler_module)
 
     def request_stop(signum: int, _frame: object) -> None:
         stack.stopping = True

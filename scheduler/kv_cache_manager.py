@@ -53,6 +53,24 @@ class SeqBlocks:
     num_cached: int = 0  # leading blocks of the table that are in the prefix index
 
 
+@dataclass(slots=True)
+class Growth:
+    """What one request asks of the cache in one step; `allocate_slots` grants all of it or nothing."""
+    opens: list[tuple[int, list[Block], list[bytes], int]] = field(default_factory=list)  # sequences starting
+    # here: (seq id, prefix-hit blocks, block hashes of its tokens, its number of tokens)
+    swap_in: list[int] = field(default_factory=list)  # swapped sequences coming back to the device
+    writes: list[tuple[int, int, int]] = field(default_factory=list)  # (seq id, num_computed, num_new)
+
+
+@dataclass(slots=True)
+class Slots:
+    """What `allocate_slots` did: blocks appended per sequence, copy-on-write copies, swap-in moves."""
+    new_block_ids: dict[int, list[int]]
+    copies: list[tuple[int, int]]  # (src, dst)
+    rewritten: set[int]  # seq ids whose table a copy changed: the worker needs their whole table
+    swap_in: list[tuple[int, int]]  # (swap block, device block)
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, num_swap_blocks: int, block_size: int, extra_keys: tuple[str, ...],
                  enable_caching: bool = True) -> None:
@@ -91,67 +109,81 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def start(self, seq_id: int, hits: list[Block], hashes: list[bytes], num_tokens: int) -> int:
-        """Open a sequence on its prefix hits; returns the number of tokens whose KV is already cached."""
-        self.pool.touch(hits)
-        self.pool.prefix_queries += num_tokens
-        self.pool.prefix_hits += len(hits) * self.block_size
-        self.seqs[seq_id] = SeqBlocks(list(hits), list(hashes), len(hits))
-        return len(hits) * self.block_size
-
-    def commit(self, seq_id: int, token_ids: list[int], num_computed: int) -> None:
-        """Index the blocks that the last step filled (generated tokens included)."""
+    def commit(self, seq_id: int, prompt: list[int], output: list[int], num_computed: int) -> None:
+        """Index the blocks that computed tokens filled (generated tokens included)."""
         if not self.enable_caching:
             return
         seq = self.seqs[seq_id]
         full = num_computed // self.block_size
+        if full <= seq.num_cached:
+            return
         bs = self.block_size
+        tokens = prompt + output if len(seq.hashes) < full else prompt
         for i in range(seq.num_cached, full):
             if i == len(seq.hashes):
                 parent = seq.hashes[-1] if seq.hashes else NO_PARENT
-                seq.hashes.append(hash_block_tokens(parent, token_ids[i * bs:(i + 1) * bs], self.extra))
+                seq.hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs], self.extra))
             self.pool.cache(seq.table[i], seq.hashes[i])
-        seq.num_cached = max(seq.num_cached, full)
+        seq.num_cached = full
 
     # ---- slots ----------------------------------------------------------------------------
-    def _written(self, table: list[Block], num_computed: int, num_new: int) -> range:
-        """Indices of existing table blocks that positions [num_computed, +num_new) write into."""
-        return range(num_computed // self.block_size, min(len(table), cdiv(num_computed + num_new, self.block_size)))
+    def allocate_slots(self, growth: Growth, keep_free: int = 0) -> Slots | None:
+        """Grant `growth` whole: open sequences on their prefix hits, swap sequences in, and make each
+        written sequence's table cover num_computed + num_new tokens, copying any shared block the new
+        tokens write into first. None, with nothing changed, when it would leave fewer than `keep_free`
+        blocks free."""
+        if self._blocks_needed(growth) + keep_free > self.pool.num_free:
+            return None
+        for seq_id, hits, hashes, num_tokens in growth.opens:
+            self.pool.touch(hits)
+            self.pool.prefix_queries += num_tokens
+            self.pool.prefix_hits += len(hits) * self.block_size
+            self.seqs[seq_id] = SeqBlocks(list(hits), list(hashes), len(hits))
+        slots = Slots({}, [], set(), self._swap_in(growth.swap_in) if growth.swap_in else [])
+        for seq_id, num_computed, num_new in growth.writes:
+            table = self.seqs[seq_id].table
+            end_block = cdiv(num_computed + num_new, self.block_size)
+            for i in range(num_computed // self.block_size, min(len(table), end_block)):  # blocks written into
+                block = table[i]
+                if block.ref_cnt > 1:
+                    (fresh,) = self.pool.allocate(1)
+                    slots.copies.append((block.block_id, fresh.block_id))
+                    slots.rewritten.add(seq_id)
+                    self.pool.free([block])
+                    table[i] = fresh
+            grow = end_block - len(table)
+            if grow > 0:
+                added = self.pool.allocate(grow)
+                table.extend(added)
+                slots.new_block_ids[seq_id] = [b.block_id for b in added]
+            else:
+                slots.new_block_ids[seq_id] = []
+        return slots
 
-    def blocks_needed(self, items: list[tuple[int, int, int, int]]) -> int:
-        """Blocks that allocating (seq id, num_computed, num_new, reserve_tokens) for each item takes:
-        growth, plus one copy per writer of a shared block while other holders remain."""
+    def _blocks_needed(self, growth: Growth) -> int:
+        """Free blocks that granting `growth` takes at most: free cached hits leaving the queue, swapped
+        blocks coming back, growth, and one copy per writer of a shared block while other holders remain."""
         need = 0
+        opened: dict[int, list[Block]] = {}
+        if growth.opens:
+            opened = {seq_id: hits for seq_id, hits, _, _ in growth.opens}
+            need = len({b.block_id for hits in opened.values() for b in hits if b.ref_cnt == 0})
+        if growth.swap_in:
+            need += self._distinct([self.swapped[s].table for s in growth.swap_in])
         writers: dict[int, int] = {}
         shared: dict[int, Block] = {}
-        for seq_id, num_computed, num_new, reserve in items:
-            table = self.seqs[seq_id].table
-            need += max(0, cdiv(max(num_computed + num_new, reserve), self.block_size) - len(table))
-            for i in self._written(table, num_computed, num_new):
+        bs = self.block_size
+        for seq_id, num_computed, num_new in growth.writes:
+            table = opened[seq_id] if seq_id in opened else (self.seqs.get(seq_id) or self.swapped[seq_id]).table
+            end_block = cdiv(num_computed + num_new, bs)
+            if end_block > len(table):
+                need += end_block - len(table)
+            for i in range(num_computed // bs, min(len(table), end_block)):  # blocks written into
                 block = table[i]
                 if block.ref_cnt > 1:
                     writers[block.block_id] = writers.get(block.block_id, 0) + 1
                     shared[block.block_id] = block
-        return need + sum(min(n, shared[b].ref_cnt - 1) for b, n in writers.items())
-
-    def allocate(self, seq_id: int, num_computed: int, num_new: int, reserve: int = 0
-                 ) -> tuple[list[int], list[tuple[int, int]]]:
-        """Make the table cover max(num_computed + num_new, reserve) tokens, copying any shared block the
-        new tokens write into first. Returns the appended block ids and the (src, dst) copies; a copy
-        replaces a table entry, so the worker then needs the whole table."""
-        table = self.seqs[seq_id].table
-        copies = []
-        for i in self._written(table, num_computed, num_new):
-            block = table[i]
-            if block.ref_cnt > 1:
-                (fresh,) = self.pool.allocate(1)
-                copies.append((block.block_id, fresh.block_id))
-                self.pool.free([block])
-                table[i] = fresh
-        grow = cdiv(max(num_computed + num_new, reserve), self.block_size) - len(table)
-        added = self.pool.allocate(grow) if grow > 0 else []
-        table.extend(added)
-        return [b.block_id for b in added], copies
+        return need + sum(min(n, shared[b].ref_cnt - 1) for b, n in writers.items()) if writers else need
 
     def free(self, seq_id: int) -> None:
         seq = self.seqs.pop(seq_id, None)
@@ -198,11 +230,7 @@ class KVCacheManager:
             self.swapped[seq_id] = SeqBlocks(swap_table, seq.hashes, seq.num_cached)
         return pairs
 
-    def swap_in_needed(self, seq_ids: list[int]) -> int:
-        """At most this many free blocks (cached blocks still on the device may save some)."""
-        return self._distinct([self.swapped[s].table for s in seq_ids])
-
-    def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
+    def _swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
         """Bring swapped sequences back to the device; (swap, device) pairs. A full block whose hash is
         still cached on the device is taken from there instead of copied back."""
         mapping: dict[int, Block] = {}

@@ -1,4 +1,8 @@
-"""Scheduler-side state of a request and of its sequences (one per sample)."""
+"""Scheduler-side state of a request and of its sequences (one per live sample on its worker).
+
+The request owns the token lists: its prompt and each sample's output, kept across preemption and
+worker loss. A sequence is one sample's place on a worker: its id there and how far its KV reaches.
+"""
 from __future__ import annotations
 
 import enum
@@ -15,40 +19,36 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(slots=True)
+class FinishedRequest:
+    """A request's end, as the scheduler writes it on the request's stream."""
+    rid: str
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # set for rejected/failed requests: a clear message for the client
+    error_kind: str | None = None  # REJECTED, UNAVAILABLE or FAILED, with `error`
+
+
 @dataclass(slots=True, eq=False)
 class Sequence:
     seq_id: int
     sample_index: int
-    token_ids: list[int]  # prompt + output, as the worker's token list
-    output: list[int]  # the request's output list of this sample (the same list object)
-    num_computed: int = 0  # tokens whose KV is in the cache
+    num_computed: int = 0  # tokens whose KV is in the cache, or will be once the plans sent are done
+    num_placeholders: int = 0  # lookahead only: tokens sampled by plans in flight, not known yet
     sent: bool = False  # the worker has its NewSequence
-    table_stale: bool = False  # the worker's block table must be replaced (after swap-in)
-    # Work in plans not yet answered (async scheduling plans a step while the worker runs the last one):
-    num_in_flight: int = 0  # tokens being computed
-    samples_in_flight: int = 0  # plans in flight that sample this sequence (the step and its lookahead: 2)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_scheduled(self) -> int:
-        """Tokens whose KV will be in the cache once the plans in flight are done."""
-        return self.num_computed + self.num_in_flight
+    resend_table: bool = False  # the worker's block table must be replaced (after swap-in)
 
 
 @dataclass(slots=True, eq=False)
 class RequestState:
     req: Request
     order: int  # arrival order: preemption takes the latest, resumption the earliest
-    outputs: list[list[int]]  # per sample index; kept across preemption and worker loss
+    outputs: list[list[int]]  # per sample index
     reasons: list[str | None]  # per sample index: why it ended, None while it goes on
     status: Status = Status.WAITING
     worker_id: str | None = None
     seqs: list[Sequence] = field(default_factory=list)  # live sequences on its worker
-    fork_at: int | None = None  # n > 1: the first sample runs their common prefix alone, then the rest fork
-    unplaced_since: float | None = None  # first time expire_waiting saw it with no worker
+    fork_at: int | None = None  # n > 1: the first sample computes the shared tokens alone, then the rest fork
+    unplaced_since: float | None = None  # first time the cluster saw it with no worker
     prompt_hashes: dict[bytes, list[bytes]] = field(default_factory=dict)  # extra keys → block hashes
     uncached: int = 0  # prompt tokens its worker had not cached when it was placed there
     last_reason: str = "stop"
@@ -65,8 +65,15 @@ class RequestState:
     def live_samples(self) -> list[int]:
         return [i for i, reason in enumerate(self.reasons) if reason is None]
 
+    @property
+    def done(self) -> bool:
+        return all(reason is not None for reason in self.reasons)
+
     def tokens(self, sample_index: int) -> list[int]:
         return self.prompt + self.outputs[sample_index]
+
+    def num_tokens(self, seq: Sequence) -> int:
+        return len(self.req.prompt_token_ids) + len(self.outputs[seq.sample_index])
 
     def fork_point(self) -> int | None:
         """Where the live samples part: their common prefix, short of each one's last token (it gives that

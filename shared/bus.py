@@ -16,7 +16,7 @@ import redis
 import redis.asyncio
 from redis.backoff import ExponentialBackoff
 
-from shared.keys import FIELD
+from shared.keys import FIELD, Keys
 from shared.protocol import Message, ProtocolError, decode
 
 BLOCK_MS = 1000  # longest blocking read; services wake at least this often to check their state
@@ -99,3 +99,26 @@ def decode_entry(stream: str, entry_id: bytes | str, fields: dict, expected: typ
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+# Every registration with whether its worker's heartbeat key exists, in one round trip.
+_REGISTRY = """
+local out = {}
+local fields = redis.call('HGETALL', KEYS[1])
+for i = 1, #fields, 2 do
+  out[#out + 1] = fields[i]
+  out[#out + 1] = fields[i + 1]
+  out[#out + 1] = redis.call('EXISTS', ARGV[1] .. fields[i])
+end
+return out
+"""
+
+
+def registry_query(keys: Keys) -> tuple:
+    """The arguments of `client.eval` that reads the worker registry (sync and asyncio clients alike)."""
+    return _REGISTRY, 1, keys.workers, keys.heartbeat("")
+
+
+def read_registry(reply: list) -> list[tuple[str, bytes, bool]]:
+    """(worker id, its encoded WorkerRegistration, whether its heartbeat is alive) from `registry_query`'s reply."""
+    return [(_text(reply[i]), reply[i + 1], bool(reply[i + 2])) for i in range(0, len(reply), 3)]

@@ -58,6 +58,10 @@ class Keys:
     def heartbeat(self, worker_id: str) -> str:
         return f"{self.prefix}:heartbeat:{worker_id}"
 
+    def gateway_alive(self, instance: str) -> str:
+        """Heartbeat key of one gateway instance (with a TTL): once it is gone, so are its requests' clients."""
+        return f"{self.prefix}:gateway:{instance}:alive"
+
     def gateway_wake(self, instance: str) -> str:
         """Stream a gateway writes with each submission, so that its pending read of the token streams
         returns and takes in the new requests' streams."""

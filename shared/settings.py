@@ -46,9 +46,6 @@ class Settings:
     watermark: float = _opt(0.01, "share of blocks kept free when admitting new requests")
     async_scheduling: bool = _opt(True, "plan a worker's next step while it computes the current one, so that "
                                   "it never waits for the scheduler")
-    kv_reservation: str = _opt("paged", "benchmark-only baseline: 'max_model_len' reserves a whole max_model_len "
-                               "of blocks per sequence at admission (Orca-style); 'paged' allocates on demand",
-                               ("paged", "max_model_len"))
     # services and bus
     redis_url: str = _opt("redis://127.0.0.1:6379/0", "Redis server the services meet on")
     worker_id: str = _opt("", "this worker's id; empty = host name + pid")

@@ -1,7 +1,7 @@
 """A tiny test-side stand-in for the scheduler: block allocation with reference counts and step-plan
 building, so worker tests can drive exact plans (prefix hits, chunks, swaps, forks, recompute).
 
-It follows the plan semantics of notes/common.md and shared/protocol.py and nothing more: the
+It follows the plan semantics of shared/protocol.py (StepPlan, ScheduledSequence) and nothing more: the
 real scheduler decides *when*; tests here decide explicitly.
 """
 from __future__ import annotations
@@ -155,6 +155,8 @@ class PlanBuilder:
     def apply(self, result: StepResult) -> None:
         assert result.error is None, result.error
         for out in result.outputs:
+            if out.sample_index < 0:
+                continue  # a request the worker refused to run: the scheduler ends it
             seq = self.live[(out.rid, out.sample_index)]
             assert out.output_index == len(seq.outputs)
             seq.outputs.append(out.token_id)

@@ -134,7 +134,8 @@ def start_container() -> ContainerRedis:
 
 
 def open_server(workdir: Path) -> LocalRedis | ContainerRedis | ExternalRedis:
-    """The test server, in DESIGN.md's order; raises RedisUnavailable with the reason if none works."""
+    """The test server: REDIS_URL, else testcontainers, else a local binary; raises RedisUnavailable with the
+    reason if none works."""
     if os.environ.get("REDIS_URL"):
         server = ExternalRedis(os.environ["REDIS_URL"])
         server.start()

@@ -54,7 +54,7 @@ def test_greedy_matches_transformers(tiny_model_dir, hf_model, settings):
         assert completion.samples[0].token_ids == hf_greedy(hf_model, prompt)
         assert completion.samples[0].finish_reason == "length"
     if "num_blocks" in settings:
-        assert eng.scheduler.stats(0.0).preemptions > 0
+        assert eng.cluster.stats(0.0).preemptions > 0
 
 
 def test_prefix_hits_are_read_not_recomputed(tiny_model_dir, hf_model):
@@ -62,9 +62,9 @@ def test_prefix_hits_are_read_not_recomputed(tiny_model_dir, hf_model):
     shared = make_prompts(1, seed=11, low=70, high=71)[0]
     first, second = shared + [9, 10], shared + [11, 12, 13]
     eng.generate([first], GREEDY)
-    before = eng.scheduler.stats(0.0).workers[0].prefix_hits
+    before = eng.cluster.stats(0.0).workers[0].prefix_hits
     (completion,) = eng.generate([second], GREEDY)
-    assert eng.scheduler.stats(0.0).workers[0].prefix_hits - before >= 64
+    assert eng.cluster.stats(0.0).workers[0].prefix_hits - before >= 64
     assert completion.samples[0].token_ids == hf_greedy(hf_model, second)
 
 
@@ -84,11 +84,11 @@ def test_abort_frees_blocks(tiny_model_dir):
     rid = eng.add_request(make_prompts(1, seed=14)[0], SamplingParams(temperature=0.0, max_tokens=200))
     for _ in range(3):
         eng.step()
-    total = eng.scheduler.stats(0.0).workers[0]
+    total = eng.cluster.stats(0.0).workers[0]
     assert total.free_blocks < total.num_blocks
     eng.abort(rid)
     eng.step()
-    after = eng.scheduler.stats(0.0).workers[0]
+    after = eng.cluster.stats(0.0).workers[0]
     assert after.free_blocks == after.num_blocks and not eng.has_unfinished()
 
 

@@ -5,7 +5,7 @@ import hashlib
 
 import pytest
 
-from scheduler.kv_cache_manager import NO_PARENT, KVCacheManager, encode_extra_keys, hash_full_blocks
+from scheduler.kv_cache_manager import NO_PARENT, Growth, KVCacheManager, encode_extra_keys, hash_full_blocks
 
 BS = 8
 
@@ -17,10 +17,22 @@ def manager(num_blocks=9, num_swap=8, model="m", caching=True) -> KVCacheManager
 def run_prompt(kv: KVCacheManager, seq_id: int, tokens: list[int]) -> int:
     """Open a sequence on its hits, allocate and 'compute' the rest of the tokens; returns the hit tokens."""
     hashes = kv.hash_tokens(tokens)
-    cached = kv.start(seq_id, kv.find_prefix(hashes, len(tokens)), hashes, len(tokens))
-    kv.allocate(seq_id, cached, len(tokens) - cached)
-    kv.commit(seq_id, tokens, len(tokens))
+    hits = kv.find_prefix(hashes, len(tokens))
+    cached = len(hits) * BS
+    assert kv.allocate_slots(Growth([(seq_id, hits, hashes, len(tokens))], [], [(seq_id, cached, len(tokens) - cached)]))
+    kv.commit(seq_id, tokens, [], len(tokens))
     return cached
+
+
+def grants_exactly(kv: KVCacheManager, growth: Growth, blocks: int):
+    """allocate_slots refuses `growth` when it would leave fewer free blocks than it takes, and grants it
+    taking exactly `blocks`."""
+    free = kv.num_free
+    assert kv.allocate_slots(growth, keep_free=free - blocks + 1) is None
+    assert kv.num_free == free, "a refusal changes nothing"
+    slots = kv.allocate_slots(growth, keep_free=free - blocks)
+    assert slots is not None and kv.num_free == free - blocks
+    return slots
 
 
 def test_hash_is_sha256_over_the_documented_bytes():
@@ -68,8 +80,8 @@ def test_generated_tokens_are_cached_once_their_block_fills():
     tokens = list(prompt)
     for t in range(50, 50 + BS):  # decode: one token a step
         tokens.append(t)
-        kv.allocate(1, len(tokens) - 1, 1)
-        kv.commit(1, tokens, len(tokens))
+        kv.allocate_slots(Growth(writes=[(1, len(tokens) - 1, 1)]))
+        kv.commit(1, prompt, tokens[len(prompt):], len(tokens))
     kv.free(1)
     follow_up = tokens + [99] * 5  # the next turn of a chat resends everything
     assert run_prompt(kv, 2, follow_up) == 2 * BS
@@ -94,35 +106,45 @@ def test_fork_shares_blocks_and_copies_a_shared_block_on_first_write():
     table = kv.block_ids(0)
     assert kv.block_ids(1) == kv.block_ids(2) == table
     assert [kv.pool.blocks[b].ref_cnt for b in table] == [3, 3, 3]
-    items = [(s, len(prompt) - 1, 1, 0) for s in (0, 1, 2)]
-    assert kv.blocks_needed(items) == 2, "three writers of one block: two copies, the last writes in place"
-    free_before = kv.num_free
-    new0, copies0 = kv.allocate(0, len(prompt) - 1, 1)
-    new1, copies1 = kv.allocate(1, len(prompt) - 1, 1)
-    new2, copies2 = kv.allocate(2, len(prompt) - 1, 1)
-    assert new0 == new1 == new2 == []
-    assert copies0 == [(table[2], kv.block_ids(0)[2])] and copies1 == [(table[2], kv.block_ids(1)[2])]
-    assert copies2 == [] and kv.block_ids(2) == table
-    assert kv.num_free == free_before - 2
+    # three writers of one block: two copies, the last writes in place
+    slots = grants_exactly(kv, Growth(writes=[(s, len(prompt) - 1, 1) for s in (0, 1, 2)]), 2)
+    assert slots.new_block_ids == {0: [], 1: [], 2: []}
+    assert slots.copies == [(table[2], kv.block_ids(0)[2]), (table[2], kv.block_ids(1)[2])]
+    assert slots.rewritten == {0, 1} and kv.block_ids(2) == table
     assert [kv.pool.blocks[b].ref_cnt for b in table] == [3, 3, 1]
-    assert kv.blocks_needed([(s, len(prompt), 1, 0) for s in (0, 1, 2)]) == 0
+    grants_exactly(kv, Growth(writes=[(s, len(prompt), 1) for s in (0, 1, 2)]), 0)
 
 
 def test_fork_on_a_block_boundary_needs_no_copy():
     kv = manager()
     run_prompt(kv, 0, list(range(2 * BS)))
     kv.fork(0, 1, 2 * BS)
-    assert kv.blocks_needed([(0, 2 * BS, 1, 0), (1, 2 * BS, 1, 0)]) == 2
-    assert kv.allocate(0, 2 * BS, 1)[1] == [] and kv.allocate(1, 2 * BS, 1)[1] == []
+    slots = grants_exactly(kv, Growth(writes=[(0, 2 * BS, 1), (1, 2 * BS, 1)]), 2)
+    assert slots.copies == []
     assert kv.block_ids(0)[:2] == kv.block_ids(1)[:2] and kv.block_ids(0)[2] != kv.block_ids(1)[2]
 
 
-def test_reservation_allocates_ahead():
+def test_a_table_can_grow_ahead_of_its_tokens():
+    """What the contiguous-reservation baseline does (benchmarks/contiguous.py): blocks no token fills yet."""
     kv = manager()
-    kv.start(1, [], [], 5)
-    assert kv.blocks_needed([(1, 0, 5, 40)]) == 5
-    assert len(kv.allocate(1, 0, 5, reserve=40)[0]) == 5
-    assert kv.allocate(1, 5, 1, reserve=40) == ([], [])
+    slots = grants_exactly(kv, Growth([(1, [], [], 5)], [], [(1, 0, 40)]), 5)
+    assert len(slots.new_block_ids[1]) == 5
+    assert grants_exactly(kv, Growth(writes=[(1, 5, 1)]), 0).new_block_ids == {1: []}
+
+
+def test_opening_on_free_cached_hits_counts_them_and_one_request_is_granted_whole():
+    kv = manager(num_blocks=5)
+    prompt = list(range(2 * BS + 1))
+    run_prompt(kv, 0, prompt)
+    kv.free(0)  # its two full blocks stay cached, free
+    hashes = kv.hash_tokens(prompt)
+    hits = kv.find_prefix(hashes, len(prompt))
+    assert len(hits) == 2 and kv.num_free == 4
+    opening = Growth([(1, hits, hashes, len(prompt)), (2, [], [], 30)], [], [(1, 2 * BS, 1), (2, 0, 30)])
+    assert kv.allocate_slots(opening) is None, "2 hits leaving the free queue + 1 + 4 blocks > 4 free"
+    assert 1 not in kv.seqs and 2 not in kv.seqs and kv.num_free == 4
+    grants_exactly(kv, Growth([(1, hits, hashes, len(prompt))], [], [(1, 2 * BS, 1)]), 3)
+    assert kv.block_ids(1)[:2] == [b.block_id for b in hits]
 
 
 @pytest.mark.parametrize("evict", [False, True], ids=["cached-blocks-stay", "cached-blocks-evicted"])
@@ -139,8 +161,9 @@ def test_swap_round_trip_maps_back_and_keeps_sharing(evict):
     assert kv.num_free == kv.pool.num_usable and kv.swap_pool.num_free == 1
     if evict:
         kv.pool.free(kv.pool.allocate(kv.num_free))
-    assert kv.swap_in_needed([0, 1]) == 3
-    back = dict(kv.swap_in([0, 1]))
+    free = kv.num_free
+    assert kv.allocate_slots(Growth(swap_in=[0, 1]), keep_free=free - 2) is None, "room for 3 blocks is asked"
+    back = dict(kv.allocate_slots(Growth(swap_in=[0, 1]), keep_free=free - 3).swap_in)
     to_swap = dict(out)
     after = kv.block_ids(0)
     assert kv.block_ids(1) == after and [kv.pool.blocks[b].ref_cnt for b in after] == [2, 2, 2]

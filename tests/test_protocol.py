@@ -57,6 +57,8 @@ def _body(msg) -> dict:
     (lambda b: b.update(prompt_token_ids=[True]), "expected a 64-bit int"),
     (lambda b: b["params"].update(temperature="hot"), "expected a number"),
     (lambda b: b["params"].update(temperature=9.0), "temperature must be in"),
+    (lambda b: b["params"].update(n=0), r"n must be in \[1, 128\]; got 0"),
+    (lambda b: b["params"].update(max_tokens=0), "max_tokens must be at least 1"),
     (lambda b: b.update(params=[]), "expected a map"),
 ])
 def test_malformed_request_is_a_typed_error(mutate, message):

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from sched_sim import SimWorker, drive
-from scheduler.scheduler import FinishedRequest, Scheduler
+from scheduler.cluster import Cluster
+from scheduler.request import FinishedRequest
 from shared.protocol import FAILED, REJECTED, UNAVAILABLE, Request, StepResult, WorkerRegistration
 from shared.sampling import SamplingParams
 from shared.settings import Settings
@@ -18,11 +19,12 @@ def pick(rid: str, sample: int, index: int) -> int:
     return 2 + (sum(map(ord, rid)) + 5 * sample + 3 * index) % 40
 
 
-def make(num_blocks: int = 64, num_swap: int = 0, workers=("w0",), max_model_len: int = 256, **overrides):
-    sched = Scheduler(Settings(**{"block_size": BS, "watermark": 0.0, **overrides}))
+def make(num_blocks: int = 64, num_swap: int = 0, workers=("w0",), max_model_len: int = 256, worker_scheduler=None,
+         **overrides):
+    sched = Cluster(Settings(**{"block_size": BS, "watermark": 0.0, **overrides}), worker_scheduler=worker_scheduler)
     sims = {}
     for wid in workers:
-        reg = WorkerRegistration(wid, "model", num_blocks, num_swap, BS, max_model_len, [EOS])
+        reg = WorkerRegistration(wid, "model", num_blocks, num_swap, BS, max_model_len, [EOS], vocab_size=512)
         sims[wid] = SimWorker(reg, pick)
         sched.add_worker(reg)
     return sched, sims
@@ -34,7 +36,7 @@ def request(rid: str, prompt_len: int = 8, max_tokens: int = 20, prompt: list[in
     return Request(rid, "model", tokens, SamplingParams(max_tokens=max_tokens, **params), 0.0)
 
 
-def used_blocks(sched: Scheduler, wid: str = "w0") -> int:
+def used_blocks(sched: Cluster, wid: str = "w0") -> int:
     kv = sched.workers[wid].kv
     return kv.pool.num_usable - kv.num_free
 
@@ -221,7 +223,7 @@ def test_a_prompt_as_long_as_max_model_len_is_rejected():
 
 
 def test_a_request_only_a_larger_worker_holds_goes_there():
-    sched = Scheduler(Settings(block_size=BS))
+    sched = Cluster(Settings(block_size=BS))
     sched.add_worker(WorkerRegistration("small", "model", 4, 0, BS, 256, [EOS]))
     sched.add_worker(WorkerRegistration("large", "model", 40, 0, BS, 256, [EOS]))
     sched.add_request(request("big", prompt_len=30))
@@ -231,10 +233,11 @@ def test_a_request_only_a_larger_worker_holds_goes_there():
 @pytest.mark.parametrize("req, message", [
     (Request("r", "model", [], SamplingParams(), 0.0), "the prompt is empty"),
     (Request("r", "model", [3, -1], SamplingParams(), 0.0), "token ids must be 0 or more"),
-    (Request("r", "model", [3], SamplingParams(n=0), 0.0), r"n must be in [1, 128]; got 0"),
-    (Request("r", "model", [3], SamplingParams(max_tokens=0), 0.0), "max_tokens must be at least 1"),
+    (Request("r", "model", [3, 600], SamplingParams(), 0.0), "token id 600 is outside the vocabulary of the model "
+                                                              "on worker w0 (0..511)"),
 ])
 def test_bad_requests_fail_with_a_clear_message(req, message):
+    """What decoding cannot check (it checks the parameters: tests/test_protocol.py)."""
     sched, _ = make()
     sched.add_request(req)
     (done,) = sched.pop_finished()
@@ -372,10 +375,11 @@ def test_a_sample_that_stops_in_flight_is_skipped_by_the_lookahead_and_freed():
     results.append(sims["w0"].execute(plans[2]))
     sched.apply_result(results[1])
     assert [out.token_id for out in results[1].outputs] == [EOS]
-    assert sched.pop_finished() == [FinishedRequest("r", "stop")] and used_blocks(sched) == 0
+    assert used_blocks(sched) == 0 and not sched.has_unfinished(), "its blocks are free at once"
+    assert sched.pop_finished() == [], "its end waits for the plan in flight that still carries it"
     assert results[2].outputs == [], "the worker knew the sample had stopped"
     sched.apply_result(results[2])
-    assert not sched.has_unfinished() and sched.schedule("w0") is None
+    assert sched.pop_finished() == [FinishedRequest("r", "stop")] and sched.schedule("w0") is None
 
 
 def test_an_abort_with_a_lookahead_in_flight_frees_everything():
@@ -460,7 +464,7 @@ def test_restart_resumes_from_the_tokens_already_sent():
     sched, sims = make()
     req = request("r", prompt_len=10, max_tokens=5, n=3)
     sent = {0: [7, 8, 9], 1: [7, 7, 7, 7, 7], 2: [7, EOS]}
-    sched.add_request(req, {k: list(v) for k, v in sent.items()})
+    sched.add_request(req, {k: list(v) for k, v in sent.items()}, {2: "stop"})  # EOS is the worker's to see
     outputs = {(req.rid, k): list(v) for k, v in sent.items()}
     plans = drive(sched, sims, outputs)
     assert [(n.sample_index, n.output_token_ids) for n in plans[0].new_sequences] == [(0, [7, 8, 9])]
@@ -475,18 +479,18 @@ def test_a_request_with_every_sample_done_finishes_at_once():
 
 
 def test_requests_wait_for_a_worker_then_expire():
-    sched = Scheduler(Settings(block_size=BS))
+    sched = Cluster(Settings(block_size=BS, request_timeout=10.0))
     sched.add_request(request("early"))
-    sched.expire_waiting(100.0, 10.0)
-    sched.expire_waiting(109.0, 10.0)
+    sched.expire(100.0)
+    sched.expire(109.0)
     assert sched.has_unfinished() and sched.stats(109.0).waiting == 1
-    sched.expire_waiting(111.0, 10.0)
+    sched.expire(111.0)
     assert sched.pop_finished() == [
         FinishedRequest("early", "error", "no worker could take the request within 10 s", UNAVAILABLE)]
     sched.add_request(request("late"))
-    sched.expire_waiting(200.0, 10.0)
+    sched.expire(200.0)
     sched.add_worker(WorkerRegistration("w0", "model", 16, 0, BS, 256, [EOS]))
-    sched.expire_waiting(300.0, 10.0)
+    sched.expire(300.0)
     assert sched.has_unfinished() and sched.requests["late"].worker_id == "w0"
 
 
@@ -521,10 +525,14 @@ def test_duplicate_delivery_of_a_request_is_ignored():
     assert len(sched.workers["w0"].waiting) == 1 and sched.requests["r"].prompt == request("r").prompt_token_ids
 
 
-# ---- the contiguous-reservation baseline ------------------------------------------------------
-@pytest.mark.parametrize("reservation, batch", [("paged", 8), ("max_model_len", 3)])
-def test_reserving_max_model_len_shrinks_the_batch(reservation, batch):
-    sched, sims = make(num_blocks=25, max_model_len=64, kv_reservation=reservation)  # 24 blocks, 8 per 64 tokens
+# ---- the contiguous-reservation baseline (benchmarks/contiguous.py) ----------------------------
+@pytest.mark.parametrize("reserving, batch", [(False, 8), (True, 3)])
+def test_reserving_max_model_len_shrinks_the_batch(reserving, batch):
+    from benchmarks.contiguous import ReservingLookaheadScheduler
+
+    # 24 blocks, 8 per 64 tokens
+    sched, sims = make(num_blocks=25, max_model_len=64,
+                       worker_scheduler=ReservingLookaheadScheduler if reserving else None)
     for k in range(8):
         sched.add_request(request(f"r{k}", max_tokens=8))
     peak = 0

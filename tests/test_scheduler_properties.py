@@ -13,7 +13,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from sched_sim import SimWorker
 from scheduler.kv_cache_manager import hash_full_blocks
 from scheduler.request import Status
-from scheduler.scheduler import Scheduler
+from benchmarks.contiguous import scheduler_class
+from scheduler.cluster import Cluster
 from shared.protocol import Request, WorkerRegistration
 from shared.sampling import SamplingParams
 from shared.settings import Settings
@@ -41,9 +42,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         specs=st.lists(worker_spec, min_size=1, max_size=2),
     )
     def setup(self, budget, max_seqs, mode, caching, watermark, reservation, lookahead, specs):
-        self.sched = Scheduler(Settings(block_size=BS, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                                        preemption_mode=mode, enable_prefix_caching=caching, watermark=watermark,
-                                        kv_reservation=reservation, async_scheduling=lookahead), epoch=7)
+        settings = Settings(block_size=BS, max_num_batched_tokens=budget, max_num_seqs=max_seqs, preemption_mode=mode,
+                            enable_prefix_caching=caching, watermark=watermark, async_scheduling=lookahead)
+        # the benchmarks' contiguous-reservation baseline runs on the same core: check it too
+        self.sched = Cluster(settings, epoch=7,
+                             worker_scheduler=scheduler_class(settings) if reservation == "max_model_len" else None)
         self.sims: dict[str, SimWorker] = {}
         # worker → results of the plans it has run, oldest first, not yet applied: the plans in flight
         self.pending: dict[str, list] = {}
@@ -124,10 +127,11 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _apply(self, result) -> None:
         before = {out.rid: self.sched.requests.get(out.rid) for out in result.outputs}
+        status = {rid: rs.status for rid, rs in before.items() if rs is not None}
         self.sched.apply_result(result)
         for out in result.outputs:
             rs = before[out.rid]
-            if rs is not None and rs.worker_id == result.worker_id:
+            if rs is not None and status[out.rid] is not Status.FINISHED and rs.worker_id == result.worker_id:
                 assert rs.outputs[out.sample_index][out.output_index] == out.token_id, "a token was dropped"
         self._sync_outputs()
 
@@ -141,9 +145,10 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def abort(self, data):
-        if not self.sched.requests:
+        live = sorted(rid for rid, rs in self.sched.requests.items() if rs.status is not Status.FINISHED)
+        if not live:
             return
-        rid = data.draw(st.sampled_from(sorted(self.sched.requests)))
+        rid = data.draw(st.sampled_from(live))
         self.aborted.add(rid)
         self.sched.abort(rid)
 
@@ -207,7 +212,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         self.draw_token = lambda: VOCAB[0]
         for _ in range(MAX_DRAIN_STEPS):
-            if not self.sched.has_unfinished():
+            if not self.sched.has_unfinished() and not any(self.pending.values()):
                 break
             planned = False
             for wid in self.sched.worker_ids:

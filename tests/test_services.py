@@ -207,7 +207,7 @@ def test_a_worker_stuck_in_a_step_is_dropped_and_its_requests_move(redis_url, st
     registration and heartbeat the test keeps alive, with nothing reading its plans."""
     stack, client = stack_factory(redis_url, workers=("w0",), step_timeout=2.0)
     keys = Keys()
-    stuck = dataclasses.replace(client.workers()["w0"], worker_id="stuck", instance="stuck-instance")
+    stuck = dataclasses.replace(client.workers()["w0"][0], worker_id="stuck", instance="stuck-instance")
     stop = threading.Event()
 
     def heartbeat() -> None:

@@ -170,7 +170,8 @@ def test_new_epoch_drops_state(model):
     run_until(worker, builder, [a], 3)
     stale = StepPlan(builder.worker_id, 1, 0, scheduled=[ScheduledSequence(a.seq_id, len(a.tokens) - 1, 1)])
     result = worker.execute(stale)
-    assert result.outputs == [] and "unknown" in result.error
+    assert result.outputs == [] and result.error is None, "an unknown sequence is skipped, its request unknown"
+    assert a.seq_id in worker.ended and not worker.seqs
     fresh = PlanBuilder(builder.worker_id, NUM_BLOCKS, BLOCK_SIZE, epoch=1)
     b = fresh.add(prompt)
     assert b.seq_id == a.seq_id  # ids restart with the epoch
@@ -178,32 +179,24 @@ def test_new_epoch_drops_state(model):
     assert b.outputs == hf.greedy(prompt, NEW)
 
 
-def test_bad_plans_are_refused_whole(model):
+def test_plans_unusable_as_a_whole_are_refused_whole(model):
     """A refused plan changes nothing but this: the sequences it named are skipped from then on (the scheduler
     fails their requests), so that a plan already queued behind it still runs for the others."""
     model_dir, hf = model
     (prompt,) = prompts([18], seed=13)
     worker, builder = make_worker(model_dir)
-    wid, vocab = builder.worker_id, worker.vocab_size
-    n = len(prompt) + 4
+    wid = builder.worker_id
     a_id = 0
     bad_plans = {
-        "outside": StepPlan(wid, 0, 100, scheduled=[ScheduledSequence(a_id, n - 1, 1, [NUM_BLOCKS])]),
-        "does not cover": StepPlan(wid, 0, 100, new_sequences=[
-            NewSequence(99, "x", 0, [5] * 40, [], SamplingParams())], scheduled=[ScheduledSequence(99, 0, 40, [3])]),
-        "vocabulary": StepPlan(wid, 0, 100, new_sequences=[NewSequence(99, "x", 0, [vocab], [], SamplingParams())]),
-        "cannot compute": StepPlan(wid, 0, 100, scheduled=[ScheduledSequence(a_id, n - 1, 2)]),
         "already known": StepPlan(wid, 0, 100, new_sequences=[NewSequence(a_id, "x", 0, [5], [], SamplingParams())]),
-        "scheduled twice": StepPlan(wid, 0, 100, scheduled=[ScheduledSequence(a_id, n - 1, 1)] * 2),
         "copies": StepPlan(wid, 0, 100, copies=[(0, 3)]),
         "reached": StepPlan("someone-else", 0, 100),
-        "top_p": StepPlan(wid, 0, 100, new_sequences=[NewSequence(98, "x", 0, [5], [], SamplingParams(top_p=0.0))]),
     }
     for needle, plan in bad_plans.items():
         worker, builder = make_worker(model_dir)
         a = builder.add(prompt)
         run_until(worker, builder, [a], 4)
-        assert a.seq_id == a_id and len(a.tokens) == n
+        assert a.seq_id == a_id
         tokens, table = list(worker.seqs[a.seq_id].token_ids), list(worker.seqs[a.seq_id].block_table)
         result = worker.execute(plan)
         assert result.error is not None and needle in result.error, (needle, result.error)
@@ -214,6 +207,44 @@ def test_bad_plans_are_refused_whole(model):
     b = builder.add(prompt)
     run_until(worker, builder, [b], NEW)
     assert b.outputs == hf.greedy(prompt, NEW)
+
+
+def test_a_sequence_the_worker_cannot_run_fails_its_request_alone(model):
+    """One bad sequence (from a forged or buggy request) must not fail the unrelated sequences of its step:
+    the step runs for them, and its request gets a failure entry."""
+    model_dir, hf = model
+    first, second = prompts([18, 11], seed=13)
+    worker, builder = make_worker(model_dir)
+    vocab = worker.vocab_size
+    bad_items = {
+        "vocabulary": lambda b, plan: plan.new_sequences.append(NewSequence(99, "x", 0, [vocab], [], SamplingParams())),
+        "does not cover": lambda b, plan: (
+            plan.new_sequences.append(NewSequence(99, "x", 0, [5] * 40, [], SamplingParams())),
+            plan.scheduled.append(ScheduledSequence(99, 0, 40, [3]))),
+        "outside": lambda b, plan: plan.scheduled.append(ScheduledSequence(b.seq_id, len(b.tokens) - 1, 1,
+                                                                           [NUM_BLOCKS])),
+        "cannot compute": lambda b, plan: plan.scheduled.append(ScheduledSequence(b.seq_id, len(b.tokens) - 1, 2)),
+        "scheduled twice": lambda b, plan: plan.scheduled.append(ScheduledSequence(b.seq_id, len(b.tokens) - 1, 1)),
+    }
+    for needle, spoil in bad_items.items():
+        worker, builder = make_worker(model_dir)
+        a, b = builder.add(first), builder.add(second)
+        run_until(worker, builder, [a, b], 4)
+        builder.schedule(a)
+        if needle == "scheduled twice":
+            builder.schedule(b)
+        plan = builder.plan()
+        spoil(b, plan)
+        result = worker.execute(plan)
+        failures = [out for out in result.outputs if out.sample_index < 0]
+        victim = "x" if needle in ("vocabulary", "does not cover") else b.rid
+        assert result.error is None and [f.rid for f in failures] == [victim], (needle, result)
+        assert needle in failures[0].error and failures[0].finish_reason == "error"
+        builder.apply(result)
+        if victim == b.rid:
+            builder.finish(b)
+        run_until(worker, builder, [a], NEW)
+        assert a.outputs == hf.greedy(first, NEW), needle
 
 
 def test_finish_reasons(model):
@@ -300,12 +331,12 @@ def test_a_refused_plan_does_not_take_down_the_plan_after_it(model):
     a = builder.add(first)
     builder.schedule(a)
     refused = builder.plan()
-    refused.scheduled[0].new_block_ids[0] = NUM_BLOCKS + 5
+    refused.copies.append((0, 3))  # the null block: the whole plan is refused
     builder.schedule(a, 1)
     b = builder.add(second)
     builder.schedule(b)
     ahead = builder.plan()
-    assert "block ids outside" in worker.execute(refused).error
+    assert "copies pair (0, 3) is out of range" in worker.execute(refused).error
     result = worker.execute(ahead)
     assert result.error is None and [out.rid for out in result.outputs] == [b.rid]
     builder.apply(result)

@@ -1,0 +1,326 @@
+"""The cluster (sans-IO): every worker's scheduler, and what happens between them.
+
+It places new and orphaned requests (the longest prefix hit, weighed against load), follows workers
+joining, leaving, expiring and stalling, keeps aborts that arrive before their request, aborts the
+requests of a gateway that is gone, and resumes a request from the tokens already on its stream. Time
+comes in as an argument; the scheduler service only reads, decodes, calls these, and writes.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import sys
+from dataclasses import dataclass, field
+
+from scheduler.kv_cache_manager import cdiv
+from scheduler.request import FinishedRequest, RequestState, Status
+from scheduler.worker_scheduler import ORDER, Ids, LookaheadScheduler, WorkerScheduler
+from shared.out_stream import OutOfOrder, OutputFold
+from shared.protocol import (
+    REJECTED, UNAVAILABLE, Assignment, Request, SchedulerStats, StepPlan, StepResult, TokenOutput,
+    WorkerRegistration, WorkerStats,
+)
+from shared.sampling import finish_reason
+from shared.settings import Settings
+
+
+@dataclass(slots=True)
+class WorkerChanges:
+    """What `sync_workers` changed, for the service to log and to clear from the registry."""
+    joined: list[WorkerRegistration] = field(default_factory=list)
+    gone: list[str] = field(default_factory=list)
+    refused: list[tuple[str, str]] = field(default_factory=list)  # (worker id, why)
+
+
+class Cluster:
+    def __init__(self, settings: Settings, epoch: int = 0, worker_scheduler: type[WorkerScheduler] | None = None) -> None:
+        self.settings = settings
+        self.epoch = epoch
+        self.worker_scheduler = worker_scheduler or (LookaheadScheduler if settings.async_scheduling
+                                                     else WorkerScheduler)
+        self.workers: dict[str, WorkerScheduler] = {}
+        self.requests: dict[str, RequestState] = {}
+        self.unplaced: list[RequestState] = []  # no worker yet; arrival order
+        self.finished: list[FinishedRequest] = []
+        self.placements: list[tuple[str, str]] = []  # (rid, worker id): Assignments to write before any plan
+        self.early_aborts: dict[str, tuple[str, float]] = {}  # rid → (reason, when) of aborts ahead of their request
+        self.stalled: dict[str, str] = {}  # worker id → the instance that overran step_timeout
+        self.oldest_steps: dict[str, tuple[int, float]] = {}  # worker id → (its oldest step in flight, seen since)
+        self.ids = Ids()
+        self._order = itertools.count()
+        self._past_preemptions = 0  # of workers removed since
+
+    @property
+    def worker_ids(self) -> list[str]:
+        return list(self.workers)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self._past_preemptions + sum(ws.num_preemptions for ws in self.workers.values())
+
+    def has_unfinished(self) -> bool:
+        """Whether a request has not ended (one that ended may wait in `requests` for its plans in flight)."""
+        return any(rs.status is not Status.FINISHED for rs in self.requests.values())
+
+    # ---- workers --------------------------------------------------------------------------
+    def add_worker(self, reg: WorkerRegistration) -> None:
+        """Register a worker; the same registration again is a no-op, a changed one replaces the worker (its
+        requests resume by recompute). Raises ValueError for a registration it cannot use."""
+        bs = reg.block_size
+        if not (bs > 0 and bs & (bs - 1) == 0):
+            raise ValueError(f"worker {reg.worker_id}: block_size must be a power of two; got {bs}")
+        if reg.num_blocks < 2 or reg.num_swap_blocks < 0 or reg.max_model_len < 2:
+            raise ValueError(f"worker {reg.worker_id}: needs num_blocks >= 2, num_swap_blocks >= 0 and "
+                             f"max_model_len >= 2; got {reg.num_blocks}, {reg.num_swap_blocks}, {reg.max_model_len}")
+        known = self.workers.get(reg.worker_id)
+        if known is not None:
+            if known.reg == reg:
+                return
+            self.remove_worker(reg.worker_id)
+        self.workers[reg.worker_id] = self.worker_scheduler(reg, self.settings, self.epoch, self.ids)
+        unplaced, self.unplaced = self.unplaced, []
+        for rs in unplaced:
+            self._place(rs)
+
+    def remove_worker(self, worker_id: str) -> None:
+        """The worker is gone: its requests resume elsewhere by recompute, from the tokens they have."""
+        ws = self.workers.pop(worker_id, None)
+        if ws is None:
+            return
+        self._past_preemptions += ws.num_preemptions
+        self.oldest_steps.pop(worker_id, None)
+        self._collect(ws.ended)  # nothing in flight there will come back
+        for rs in sorted(ws.requests, key=ORDER):
+            rs.seqs = []
+            rs.fork_at = None
+            rs.status = Status.WAITING
+            rs.worker_id = None
+            self._place(rs)
+
+    def sync_workers(self, live: dict[str, WorkerRegistration]) -> WorkerChanges:
+        """Follow the workers whose heartbeat is alive: add the new (or restarted) ones, drop the rest. A
+        stalled instance stays out while it lives; a restart registers a new one."""
+        changes = WorkerChanges()
+        self.stalled = {w: i for w, i in self.stalled.items() if w in live and live[w].instance == i}
+        live = {w: reg for w, reg in live.items() if w not in self.stalled}
+        for worker_id in list(self.workers):
+            if worker_id not in live:
+                self.remove_worker(worker_id)
+                changes.gone.append(worker_id)
+        for worker_id, reg in live.items():
+            known = self.workers.get(worker_id)
+            if known is not None and known.reg == reg:
+                continue
+            try:
+                self.add_worker(reg)
+            except ValueError as e:
+                changes.refused.append((worker_id, str(e)))
+                continue
+            changes.joined.append(reg)
+        return changes
+
+    def check_stalled(self, now: float) -> list[tuple[str, int, float]]:
+        """Quarantine the workers whose oldest step in flight has been so for over step_timeout (counted from
+        the first check that saw it oldest: the step before it may have run until then); they get nothing
+        until they restart, and their requests move. Returns (worker, step, seconds) for each."""
+        timeout = self.settings.step_timeout
+        stalled = []
+        oldest: dict[str, tuple[int, float]] = {}
+        for worker_id, ws in list(self.workers.items()):
+            if not ws.in_flight:
+                continue
+            step_id = ws.in_flight[0].step_id
+            seen = self.oldest_steps.get(worker_id)
+            since = seen[1] if seen is not None and seen[0] == step_id else now
+            if timeout and now - since > timeout:
+                stalled.append((worker_id, step_id, now - since))
+                self.stalled[worker_id] = ws.reg.instance
+                self.remove_worker(worker_id)
+            else:
+                oldest[worker_id] = (step_id, since)
+        self.oldest_steps = oldest
+        return stalled
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, req: Request, outputs: dict[int, list[int]] | None = None,
+                    reasons: dict[int, str] | None = None) -> None:
+        """A request, with the tokens its samples already have and why those that ended did (a resumed one)."""
+        if req.rid in self.requests:
+            return  # a redelivery of a request already here
+        outputs, reasons = outputs or {}, reasons or {}
+        early = self.early_aborts.pop(req.rid, None)
+        if early is not None:
+            self._collect([FinishedRequest(req.rid, _abort_reason(early[0]))])
+            return
+        error = self._invalid(req, outputs)
+        if error is not None:
+            self._collect([FinishedRequest(req.rid, "error", error, REJECTED)])
+            return
+        n = req.params.n
+        rs = RequestState(req, next(self._order), [list(outputs.get(i, ())) for i in range(n)],
+                          [reasons.get(i) for i in range(n)])
+        for i in rs.live_samples:  # what ends a sample whatever the worker: max_tokens, stop_token_ids
+            rs.reasons[i] = finish_reason(req.params, rs.outputs[i], len(rs.tokens(i)), sys.maxsize, ())
+        if rs.done:
+            self._collect([FinishedRequest(req.rid, rs.reasons[-1] or "stop")])
+            return
+        self.requests[req.rid] = rs
+        self._place(rs)
+
+    def resume(self, req: Request, entries: list[TokenOutput | Assignment]) -> bool:
+        """Take up a request another scheduler left unfinished, from the entries of its stream (read after a
+        fence: see shared/out_stream.py). False when the stream shows it ended: nothing is left to do."""
+        fold = OutputFold(req.params.n, req.params.max_tokens)
+        for entry in entries:
+            try:
+                fold.apply(entry)
+            except OutOfOrder:
+                continue
+        if fold.ended or all(r is not None for r in fold.finish_reasons):
+            return False
+        self.add_request(req, dict(enumerate(fold.tokens)),
+                         {i: r for i, r in enumerate(fold.finish_reasons) if r is not None})
+        return True
+
+    @staticmethod
+    def _invalid(req: Request, outputs: dict[int, list[int]]) -> str | None:
+        """What the protocol's decoding cannot know is wrong with a request (its parameters it checks)."""
+        if not req.prompt_token_ids:
+            return "the prompt is empty"
+        if min(req.prompt_token_ids) < 0:
+            return "token ids must be 0 or more"
+        bad = [i for i in outputs if not 0 <= i < req.params.n]
+        if bad:
+            return f"outputs given for sample {bad[0]} of a request with n={req.params.n}"
+        return None
+
+    def abort(self, rid: str, reason: str = "abort", now: float = 0.0) -> None:
+        """Abort a request (client gone, stop string hit); one not seen yet is aborted when it comes (if it
+        comes within request_timeout of `now`)."""
+        rs = self.requests.get(rid)
+        if rs is None:
+            self.early_aborts[rid] = (reason, now)
+        elif rs.worker_id is not None:
+            self.workers[rs.worker_id].finish(rs, _abort_reason(reason))
+        else:
+            self.unplaced.remove(rs)
+            rs.status = Status.FINISHED
+            self._collect([FinishedRequest(rid, _abort_reason(reason))])
+
+    def gateway_ids(self) -> set[str]:
+        """The gateways whose requests run here (requests with no gateway are never aborted for one)."""
+        return {rs.req.gateway_id for rs in self.requests.values() if rs.req.gateway_id}
+
+    def gateway_gone(self, gateway_id: str, now: float) -> int:
+        """Abort the requests of a gateway that is gone: nobody will read their tokens. How many."""
+        rids = [rid for rid, rs in self.requests.items()
+                if rs.req.gateway_id == gateway_id and rs.status is not Status.FINISHED]
+        for rid in rids:
+            self.abort(rid, "abort", now)
+        return len(rids)
+
+    def expire(self, now: float) -> None:
+        """Fail the requests that waited for a worker over request_timeout; forget old early aborts."""
+        timeout = self.settings.request_timeout
+        for rs in list(self.unplaced):
+            if rs.unplaced_since is None:
+                rs.unplaced_since = now
+            elif now - rs.unplaced_since > timeout:
+                self.unplaced.remove(rs)
+                rs.status = Status.FINISHED
+                self._collect([FinishedRequest(rs.rid, "error", f"no worker could take the request within "
+                                                                f"{timeout:g} s", UNAVAILABLE)])
+        self.early_aborts = {rid: e for rid, e in self.early_aborts.items() if now - e[1] <= timeout}
+
+    def _collect(self, finished: list[FinishedRequest]) -> None:
+        for done in finished:
+            self.requests.pop(done.rid, None)
+            self.finished.append(done)
+
+    def pop_finished(self) -> list[FinishedRequest]:
+        """Requests that ended, each once, as soon as no plan in flight still carries it."""
+        for ws in self.workers.values():
+            self._collect(ws.pop_ended())
+        done, self.finished = self.finished, []
+        return done
+
+    def pop_placements(self) -> list[tuple[str, str]]:
+        placed, self.placements = self.placements, []
+        return placed
+
+    # ---- placement ------------------------------------------------------------------------
+    def _place(self, rs: RequestState) -> None:
+        """Put the request on the worker with the least to compute before its first token (its uncached
+        prompt plus what is queued there), then the least loaded; reject it if no worker can ever run it."""
+        if not self.workers:
+            bisect.insort(self.unplaced, rs, key=ORDER)
+            return
+        misfits = {wid: _misfit(rs, ws) for wid, ws in self.workers.items()}
+        fitting = [ws for wid, ws in self.workers.items() if misfits[wid] is None]
+        if not fitting:
+            largest = max(self.workers.values(), key=lambda ws: ws.kv.pool.num_usable * ws.kv.block_size)
+            rs.status = Status.FINISHED
+            self._collect([FinishedRequest(rs.rid, "error", misfits[largest.worker_id], REJECTED)])
+            return
+        uncached = {ws.worker_id: ws.uncached_prompt(rs) for ws in fitting}
+        ws = min(fitting, key=lambda w: _placement_key(uncached[w.worker_id], w))
+        rs.uncached = uncached[ws.worker_id]
+        rs.unplaced_since = None
+        ws.enqueue(rs)
+        self.placements.append((rs.rid, ws.worker_id))
+
+    # ---- steps ----------------------------------------------------------------------------
+    def schedule(self, worker_id: str) -> StepPlan | None:
+        ws = self.workers.get(worker_id)
+        return ws.schedule() if ws is not None else None
+
+    def apply_result(self, result: StepResult) -> None:
+        ws = self.workers.get(result.worker_id)
+        if ws is not None:
+            ws.apply_result(result)
+
+    def stats(self, now: float) -> SchedulerStats:
+        workers = [WorkerStats(wid, ws.kv.pool.num_usable, ws.kv.num_free, ws.num_running_seqs,
+                               ws.kv.pool.prefix_queries, ws.kv.pool.prefix_hits)
+                   for wid, ws in self.workers.items()]
+        return SchedulerStats(
+            time=now,
+            running=sum(len(ws.running) for ws in self.workers.values()),
+            waiting=len(self.unplaced) + sum(len(ws.waiting) for ws in self.workers.values()),
+            preempted=sum(len(ws.preempted) for ws in self.workers.values()),
+            preemptions=self.num_preemptions,
+            workers=workers,
+        )
+
+
+def _abort_reason(reason: str) -> str:
+    """An abort ends a request with "stop" or "length" when the gateway says so (a stop string), else "abort"."""
+    return reason if reason in ("stop", "length") else "abort"
+
+
+def _misfit(rs: RequestState, ws: WorkerScheduler) -> str | None:
+    """Why the request can never run on this worker, or None."""
+    tokens, reg = rs.longest, ws.reg
+    if tokens >= reg.max_model_len:
+        return (f"the request has {tokens} tokens, but max_model_len is {reg.max_model_len}: "
+                "there is no room to generate")
+    blocks = cdiv(tokens, reg.block_size)
+    if blocks > ws.kv.pool.num_usable:
+        return (f"the request has {tokens} tokens, which need {blocks} KV blocks of {reg.block_size} tokens, "
+                f"but worker {reg.worker_id} holds only {ws.kv.pool.num_usable} blocks")
+    if reg.vocab_size:
+        bad = [t for t in rs.prompt if t >= reg.vocab_size]
+        if bad:
+            return (f"token id {bad[0]} is outside the vocabulary of the model on worker {reg.worker_id} "
+                    f"(0..{reg.vocab_size - 1})")
+    return None
+
+
+def _placement_key(uncached: int, ws: WorkerScheduler) -> tuple[int, int, int]:
+    """Estimated tokens to compute before a request's first token there (its uncached prompt plus the worker's
+    queued prefill, uncached parts only, and what its running sequences have left to compute, at least a token
+    each), then the least loaded, then the most free blocks."""
+    queued = sum(r.uncached for r in ws.waiting) + sum(r.longest for r in ws.preempted)
+    running = sum(max(1, r.num_tokens(s) - s.num_computed) for r in ws.running for s in r.seqs)
+    load = len(ws.waiting) + len(ws.preempted) + ws.num_running_seqs
+    return queued + running + uncached, load, -ws.kv.num_free

@@ -1,0 +1,446 @@
+"""The scheduler of one worker (sans-IO): its KV-cache accounting and its queues; a step plan out, the
+step's result in.
+
+One step shares a token budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`) between:
+1. running requests, earliest arrival first: each sequence's next chunk (a decode token, or a piece of a
+   long prompt: chunked prefill). When the cache has no room for a chunk, the latest-arrived running
+   request is preempted, all its sequences together: by recompute (its blocks are freed; it resumes from
+   prompt + output) or by swap (its blocks move to the worker's swap area);
+2. then, unless the step preempted, preempted requests (earliest first), then waiting ones, each admitted
+   only if its blocks fit above the watermark; waiting requests wait while a preempted one cannot resume.
+A request's samples (n > 1) share its prompt: the first computes it alone, then the others fork from it
+and share its blocks, copying a block on their first write into it (copy-on-write). Plans are deltas
+against what the worker holds (shared/protocol.py: StepPlan); a sequence's `num_computed` counts the
+tokens of plans sent, and a step's result commits them (prefix-cache index) and appends its tokens.
+
+`LookaheadScheduler` (async scheduling) plans a step ahead while the worker computes one.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from operator import attrgetter
+
+from scheduler.kv_cache_manager import Growth, KVCacheManager, Slots
+from scheduler.request import FinishedRequest, RequestState, Sequence, Status
+from shared.protocol import FAILED, NewSequence, ScheduledSequence, StepPlan, StepResult, WorkerRegistration
+from shared.sampling import finish_reason
+from shared.settings import Settings
+
+ORDER = attrgetter("order")
+Chunk = tuple[Sequence, int, bool]  # (sequence, tokens to compute, whether they reach its end: a token is sampled)
+
+
+@dataclass(slots=True)
+class Ids:
+    """Id sources shared by every worker's scheduler: a worker dropped and added again never sees a step id
+    or a sequence id twice."""
+    steps: itertools.count = field(default_factory=itertools.count)
+    seqs: itertools.count = field(default_factory=itertools.count)
+
+
+@dataclass(slots=True)
+class Scheduled:
+    """One sequence's chunk in a plan in flight."""
+    rs: RequestState
+    seq: Sequence
+    start: int
+    num_new: int
+    emits_token: bool  # the chunk reaches the sequence's end: the worker samples a token
+
+
+@dataclass(slots=True)
+class InFlight:
+    step_id: int
+    chunks: list[Scheduled]
+
+
+@dataclass(slots=True)
+class StepBuilder:
+    plan: StepPlan
+    budget: int  # tokens left
+    seqs_left: int
+    chunks: list[Scheduled] = field(default_factory=list)
+    running_seqs: int = 0  # sequences of running requests, kept up to date while admitting
+    preempted: bool = False
+    blocked: bool = False  # short of blocks where it may not preempt: the step ends here
+
+    @property
+    def full(self) -> bool:
+        return self.budget == 0 or self.seqs_left == 0
+
+
+class WorkerScheduler:
+    def __init__(self, reg: WorkerRegistration, settings: Settings, epoch: int, ids: Ids) -> None:
+        self.reg = reg
+        self.settings = settings
+        self.epoch = epoch
+        self.ids = ids
+        self.kv = KVCacheManager(reg.num_blocks, reg.num_swap_blocks, reg.block_size, (reg.model_id,),
+                                 settings.enable_prefix_caching)
+        self.waiting: list[RequestState] = []  # placed here, not admitted; arrival order
+        self.preempted: list[RequestState] = []  # recompute or swapped; arrival order
+        self.running: list[RequestState] = []  # arrival order
+        self.in_flight: deque[InFlight] = deque()  # plans sent, oldest first
+        self.to_forget: list[int] = []  # seq ids the worker may forget: the next plan's `finished`
+        self.ended: list[FinishedRequest] = []  # see pop_ended
+        self.num_preemptions = 0
+
+    @property
+    def worker_id(self) -> str:
+        return self.reg.worker_id
+
+    @property
+    def requests(self) -> list[RequestState]:
+        return self.running + self.preempted + self.waiting
+
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(len(rs.seqs) for rs in self.running)
+
+    def enqueue(self, rs: RequestState) -> None:
+        rs.status = Status.WAITING
+        rs.worker_id = self.worker_id
+        bisect.insort(self.waiting, rs, key=ORDER)
+
+    # ---- one step -------------------------------------------------------------------------
+    def schedule(self) -> StepPlan | None:
+        """The worker's next step, or None: nothing to do, or no plan may be sent now."""
+        if not self._may_plan():
+            return None
+        step = StepBuilder(StepPlan(self.worker_id, self.epoch, next(self.ids.steps)),
+                           self.settings.max_num_batched_tokens, self.settings.max_num_seqs)
+        for rs in list(self.running):
+            if step.full or step.blocked:
+                break
+            if rs.status is Status.RUNNING:  # (not preempted by a request before it in this step)
+                self._schedule_running(rs, step)
+        # After a preemption, admitting would only preempt again, unless nothing is left running.
+        if not step.blocked and (not step.preempted or not self.running):
+            self._admit_from(self.preempted, step)
+            if not self.preempted:
+                self._admit_from(self.waiting, step)
+        plan = step.plan
+        if not (step.chunks or plan.swap_out or plan.swap_in or plan.copies):
+            return None
+        plan.finished, self.to_forget = self.to_forget, []
+        self.in_flight.append(InFlight(plan.step_id, step.chunks))
+        return plan
+
+    def _schedule_running(self, rs: RequestState, step: StepBuilder, admitting: bool = False) -> None:
+        """Schedule the request's next chunks; while the cache has no room for them, preempt the latest-
+        arrived running request (while `admitting`, run those of its samples that fit)."""
+        if rs.fork_at is not None:
+            self._fork_if_due(rs)
+        chunks = self._chunks(rs, step)
+        while chunks:
+            slots = self.kv.allocate_slots(Growth(writes=_writes(chunks)))
+            if slots is not None:
+                self._add(rs, chunks, slots, step)
+                return
+            if not admitting and not self._short_of_blocks(step):
+                return
+            if admitting or len(self.running) == 1:
+                if len(chunks) > 1:
+                    chunks.pop()
+                    continue
+                if not admitting:  # alone, it holds every used block and still needs more
+                    self.finish(rs, "length")
+                return
+            victim = self.running[-1]
+            self._preempt(victim, step)
+            if victim is rs:
+                return
+
+    def _chunks(self, rs: RequestState, step: StepBuilder) -> list[Chunk]:
+        """Each sequence's tokens for this step, within what is left of the budget and the cap."""
+        chunks = []
+        budget, seqs_left = step.budget, step.seqs_left
+        for seq in rs.seqs:
+            if budget == 0 or seqs_left == 0:
+                break
+            left = self._target(rs, seq) - seq.num_computed
+            num_new = min(left, budget)
+            if num_new > 0:
+                chunks.append((seq, num_new, num_new == left and rs.fork_at is None))
+                budget -= num_new
+                seqs_left -= 1
+        return chunks
+
+    def _add(self, rs: RequestState, chunks: list[Chunk], slots: Slots, step: StepBuilder) -> None:
+        """Put the chunks, on the blocks `slots` granted them, into the plan."""
+        plan = step.plan
+        plan.copies.extend(slots.copies)
+        for seq, num_new, emits in chunks:
+            start = seq.num_computed
+            if not seq.sent:
+                plan.new_sequences.append(NewSequence(seq.seq_id, rs.rid, seq.sample_index, list(rs.prompt),
+                                                      list(rs.outputs[seq.sample_index]), rs.req.params))
+                seq.sent = True
+                item = ScheduledSequence(seq.seq_id, start, num_new, self.kv.block_ids(seq.seq_id))
+            elif seq.resend_table or seq.seq_id in slots.rewritten:
+                item = ScheduledSequence(seq.seq_id, start, num_new, [], self.kv.block_ids(seq.seq_id))
+            else:
+                item = ScheduledSequence(seq.seq_id, start, num_new, slots.new_block_ids[seq.seq_id])
+            seq.resend_table = False
+            plan.scheduled.append(item)
+            seq.num_computed += num_new
+            self._scheduled(seq, emits)
+            step.chunks.append(Scheduled(rs, seq, start, num_new, emits))
+            step.budget -= num_new
+            step.seqs_left -= 1
+
+    def _fork_if_due(self, rs: RequestState) -> None:
+        """n > 1: once the first sample has the shared tokens, the others fork from it, sharing its blocks up
+        to the fork point (copy-on-write on first write), each going on with its own tokens."""
+        if rs.seqs[0].num_computed != rs.fork_at:
+            return
+        parent = rs.seqs[0]
+        for i in rs.live_samples[1:]:
+            child = Sequence(next(self.ids.seqs), i, num_computed=rs.fork_at)
+            self.kv.fork(parent.seq_id, child.seq_id, rs.fork_at)
+            rs.seqs.append(child)
+        rs.fork_at = None
+
+    def _preempt(self, rs: RequestState, step: StepBuilder) -> None:
+        self.running.remove(rs)
+        self.num_preemptions += 1
+        step.preempted = True
+        seq_ids = [s.seq_id for s in rs.seqs]
+        if self.settings.preemption_mode == "swap" and self.kv.can_swap_out(seq_ids):
+            step.plan.swap_out.extend(self.kv.swap_out(seq_ids))
+            for seq in rs.seqs:
+                seq.resend_table = True
+            rs.status = Status.SWAPPED
+        else:
+            self._release(rs)
+            rs.status = Status.PREEMPTED
+        bisect.insort(self.preempted, rs, key=ORDER)
+
+    def _release(self, rs: RequestState) -> None:
+        """Free every block of the request's sequences; the worker forgets those it knows."""
+        for seq in rs.seqs:
+            self.kv.free(seq.seq_id)
+            if seq.sent:
+                self.to_forget.append(seq.seq_id)
+        rs.seqs = []
+
+    # ---- admission ------------------------------------------------------------------------
+    def _admit_from(self, queue: list[RequestState], step: StepBuilder) -> None:
+        step.running_seqs = self.num_running_seqs
+        while queue and not step.full:
+            rs = queue[0]
+            if not (self._swap_in(rs, step) if rs.status is Status.SWAPPED else self._admit(rs, step)):
+                return
+            queue.pop(0)
+
+    def _room_for(self, step: StepBuilder, num_seqs: int) -> bool:
+        """The sequence cap; an idle worker takes anything, so that nothing waits forever."""
+        return not self.running or step.running_seqs + num_seqs <= self.settings.max_num_seqs
+
+    def _keep_free(self) -> int:
+        """Blocks admission leaves free for running requests to grow into (none on an idle worker)."""
+        return int(self.settings.watermark * self.kv.pool.num_usable) if self.running else 0
+
+    def _admit(self, rs: RequestState, step: StepBuilder) -> bool:
+        """Start a waiting or recompute-preempted request: prompt + output so far, on its prefix hits."""
+        live = rs.live_samples
+        if not self._room_for(step, len(live)):
+            return False
+        fork_at = rs.fork_point()
+        prompt_hashes = self._prompt_hashes(rs)
+        growth = Growth()
+        seqs: list[Sequence] = []
+        chunks: list[Chunk] = []
+        budget, seqs_left = step.budget, step.seqs_left
+        for i in live if fork_at is None else live[:1]:
+            tokens = rs.tokens(i)
+            end = len(tokens) if fork_at is None else fork_at
+            hashes = self.kv.hash_tokens(tokens, prompt_hashes) if rs.outputs[i] else prompt_hashes
+            hits = self.kv.find_prefix(hashes, end + (fork_at is not None))
+            seq = Sequence(next(self.ids.seqs), i, num_computed=len(hits) * self.kv.block_size)
+            seqs.append(seq)
+            growth.opens.append((seq.seq_id, hits, hashes, len(tokens)))
+            num_new = min(end - seq.num_computed, budget) if seqs_left else 0
+            if num_new > 0:
+                chunks.append((seq, num_new, seq.num_computed + num_new == len(tokens)))
+                budget -= num_new
+                seqs_left -= 1
+        growth.writes = _writes(chunks)
+        slots = self.kv.allocate_slots(growth, self._keep_free())
+        if slots is None:
+            return False
+        rs.seqs, rs.fork_at = seqs, fork_at
+        self._start_running(rs, step, chunks, slots)
+        return True
+
+    def _swap_in(self, rs: RequestState, step: StepBuilder) -> bool:
+        """Bring a swapped request back, with room for its next chunks too (or it would be the next victim);
+        on an idle worker it takes what fits."""
+        if not self._room_for(step, len(rs.seqs)):
+            return False
+        chunks = self._chunks(rs, step) if self.running else []
+        slots = self.kv.allocate_slots(Growth(swap_in=[s.seq_id for s in rs.seqs], writes=_writes(chunks)),
+                                       self._keep_free())
+        if slots is None:
+            return False
+        step.plan.swap_in.extend(slots.swap_in)
+        self._start_running(rs, step, chunks, slots)
+        return True
+
+    def _start_running(self, rs: RequestState, step: StepBuilder, chunks: list[Chunk], slots: Slots) -> None:
+        rs.status = Status.RUNNING
+        bisect.insort(self.running, rs, key=ORDER)
+        step.running_seqs += len(rs.live_samples)
+        if chunks:
+            self._add(rs, chunks, slots, step)
+        else:  # nothing granted yet: forking at once, or swapped in alone
+            self._schedule_running(rs, step, admitting=True)
+
+    def _prompt_hashes(self, rs: RequestState) -> list[bytes]:
+        hashes = rs.prompt_hashes.get(self.kv.extra)
+        if hashes is None:
+            hashes = rs.prompt_hashes[self.kv.extra] = self.kv.hash_tokens(rs.prompt)
+        return hashes
+
+    def uncached_prompt(self, rs: RequestState) -> int:
+        """Prompt tokens this worker would have to compute for the request (no prefix hit)."""
+        hits = self.kv.find_prefix(self._prompt_hashes(rs), len(rs.prompt))
+        return len(rs.prompt) - len(hits) * self.kv.block_size
+
+    # ---- results --------------------------------------------------------------------------
+    def apply_result(self, result: StepResult) -> None:
+        """Take the result of the oldest plan in flight (results come back in plan order)."""
+        if not self.in_flight or result.epoch != self.epoch or result.step_id != self.in_flight[0].step_id:
+            return
+        chunks = self.in_flight.popleft().chunks
+        if result.error is not None:
+            for rs in {id(c.rs): c.rs for c in chunks}.values():
+                if rs.status is Status.RUNNING:
+                    self.finish(rs, "error", f"worker {self.worker_id} failed the step: {result.error}", FAILED)
+            return
+        emitting: dict[tuple[str, int], Scheduled] = {}
+        for c in chunks:
+            if c.rs.status is not Status.RUNNING or c.seq not in c.rs.seqs:
+                continue  # aborted, or its sample ended, while in flight
+            self.kv.commit(c.seq.seq_id, c.rs.prompt, c.rs.outputs[c.seq.sample_index], c.start + c.num_new)
+            if c.emits_token:
+                emitting[(c.rs.rid, c.seq.sample_index)] = c
+        for out in result.outputs:
+            if out.sample_index < 0:  # the worker could not run this request's sequences
+                rs = next((c.rs for c in chunks if c.rs.rid == out.rid), None)
+                if rs is not None and rs.status is Status.RUNNING:
+                    self.finish(rs, "error", out.error or "the worker failed the request", FAILED)
+                continue
+            c = emitting.pop((out.rid, out.sample_index), None)
+            if c is None or c.rs.status is not Status.RUNNING or out.output_index != len(c.rs.outputs[out.sample_index]):
+                continue
+            self._token_arrived(c.seq)
+            self._append_token(c.rs, c.seq, out.token_id)
+        for c in emitting.values():
+            # The worker samples every sequence a plan asks it to and skips only those it saw end, as the
+            # scheduler does: a token missing here means the two disagree, and sampling again could loop.
+            if c.rs.status is Status.RUNNING:
+                self.finish(c.rs, "error", f"worker {self.worker_id} returned no token for sample "
+                                           f"{c.seq.sample_index} in step {result.step_id}", FAILED)
+
+    def _append_token(self, rs: RequestState, seq: Sequence, token_id: int) -> None:
+        output = rs.outputs[seq.sample_index]
+        output.append(token_id)
+        reason = finish_reason(rs.req.params, output, len(rs.prompt) + len(output), self.reg.max_model_len,
+                               self.reg.eos_token_ids)
+        if reason is None:
+            return
+        self.kv.free(seq.seq_id)
+        self.to_forget.append(seq.seq_id)
+        rs.seqs.remove(seq)
+        rs.reasons[seq.sample_index] = rs.last_reason = reason
+        if rs.done:
+            self.finish(rs, reason)
+
+    # ---- ending ---------------------------------------------------------------------------
+    def finish(self, rs: RequestState, reason: str, error: str | None = None, error_kind: str | None = None) -> None:
+        """End the request here: free its blocks at once; its end is reported by pop_ended."""
+        if rs.status is Status.FINISHED:
+            return
+        self._release(rs)
+        for queue in (self.running, self.preempted, self.waiting):
+            if rs in queue:
+                queue.remove(rs)
+        rs.status = Status.FINISHED
+        self.ended.append(FinishedRequest(rs.rid, reason, error, error_kind))
+
+    def pop_ended(self) -> list[FinishedRequest]:
+        """Requests that ended here and that no plan in flight carries any more: the worker writes the tokens
+        of a plan it runs, and none may follow the request's end on its stream."""
+        if not self.ended:
+            return []
+        carried = {c.rs.rid for flight in self.in_flight for c in flight.chunks}
+        done = [f for f in self.ended if f.rid not in carried]
+        self.ended = [f for f in self.ended if f.rid in carried]
+        return done
+
+    # ---- where the lookahead differs (see LookaheadScheduler) -----------------------------
+    def _may_plan(self) -> bool:
+        return not self.in_flight
+
+    def _target(self, rs: RequestState, seq: Sequence) -> int:
+        """The tokens the sequence's KV should cover: the shared ones while its request forks, else all."""
+        return rs.fork_at if rs.fork_at is not None else rs.num_tokens(seq)
+
+    def _short_of_blocks(self, step: StepBuilder) -> bool:
+        """A running request's chunks do not fit: may the step make room (True), or must it end here?"""
+        return True
+
+    def _scheduled(self, seq: Sequence, emits_token: bool) -> None:
+        """A chunk of `seq` went into a plan."""
+
+    def _token_arrived(self, seq: Sequence) -> None:
+        """A token `seq` emitted came back."""
+
+
+class LookaheadScheduler(WorkerScheduler):
+    """Async scheduling: while the worker computes a step, plan the next one as if each sequence sampled in it
+    already had its coming token: one placeholder each, whose id the worker fills in itself (it runs plans in
+    order, and results come back in order, so blocks freed meanwhile are reused only by later plans). At most
+    one plan ahead. A lookahead never preempts, since a sequence in flight cannot give back its token: short
+    of blocks, it ends there, and the worker's pipeline drains before the full step that makes room."""
+
+    def __init__(self, reg: WorkerRegistration, settings: Settings, epoch: int, ids: Ids) -> None:
+        super().__init__(reg, settings, epoch, ids)
+        self.draining = False
+
+    def _may_plan(self) -> bool:
+        if not self.in_flight:
+            self.draining = False
+            return True
+        return len(self.in_flight) == 1 and not self.draining
+
+    def _target(self, rs: RequestState, seq: Sequence) -> int:
+        if seq.num_placeholders and self._token_in_flight_ends(rs, seq):
+            return seq.num_computed  # nothing after a token that is sure to be its last
+        return WorkerScheduler._target(self, rs, seq) + seq.num_placeholders
+
+    def _token_in_flight_ends(self, rs: RequestState, seq: Sequence) -> bool:
+        """Whether the sequence's tokens in flight are sure to end it (max_tokens or max_model_len; an EOS
+        cannot be foreseen: the worker skips a sequence it saw end)."""
+        return (len(rs.outputs[seq.sample_index]) + seq.num_placeholders >= rs.req.params.max_tokens
+                or rs.num_tokens(seq) + seq.num_placeholders >= self.reg.max_model_len)
+
+    def _short_of_blocks(self, step: StepBuilder) -> bool:
+        if not self.in_flight:
+            return True
+        step.blocked = self.draining = True
+        return False
+
+    def _scheduled(self, seq: Sequence, emits_token: bool) -> None:
+        seq.num_placeholders += emits_token
+
+    def _token_arrived(self, seq: Sequence) -> None:
+        seq.num_placeholders -= 1
+
+
+def _writes(chunks: list[Chunk]) -> list[tuple[int, int, int]]:
+    return [(seq.seq_id, seq.num_computed, num_new) for seq, num_new, _ in chunks]
