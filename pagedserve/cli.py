@@ -38,6 +38,11 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# The settings the in-process engine reads (the scheduler and worker cores); the rest configure services.
+ENGINE_SETTINGS = ("model", "dtype", "device", "attention_backend", "max_model_len", "block_size", "kv_cache_bytes",
+                   "gpu_memory_utilization", "num_blocks", "swap_space_bytes", "enable_prefix_caching",
+                   "max_num_seqs", "max_num_batched_tokens", "preemption_mode", "watermark", "async_scheduling")
+
 # Services parse their own flags (every setting); `pagedserve NAME ...` hands them the rest of the line.
 SERVICES = {"gateway": ("gateway.__main__", "run the OpenAI-compatible gateway"),
             "scheduler": ("scheduler.service", "run the scheduler service"),
@@ -80,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("-n", type=int, default=1, dest="n")
     p.add_argument("--ignore-eos", action="store_true")
-    Settings.add_arguments(p)
+    Settings.add_arguments(p, only=ENGINE_SETTINGS)
     p.set_defaults(func=_generate)
 
     p = sub.add_parser("up", help="start a local stack: redis-server, scheduler, workers, gateway")

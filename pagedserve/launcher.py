@@ -1,11 +1,14 @@
-"""`pagedserve up`: a whole local stack as child processes of one command.
+"""`pagedserve up`: a whole local stack as child processes of one command, kept running.
 
-Starts a private redis-server (AOF on, in a temporary directory) unless a Redis URL is given, then
-the scheduler, N workers and the gateway (`python -m <service>`, settings passed as PAGEDSERVE_*
-variables), prints `ready: http://HOST:PORT` on stdout once /health answers 200, and stops everything
-on Ctrl-C or SIGTERM. Logs go to stderr. Any child that dies takes the stack down with a message naming
-it, except a worker that exits cleanly (a deliberate scale-down): the rest keeps serving, and /health
-turns 503 once no worker is left.
+It refuses to start (exit 2) when the gateway's port is taken. Unless a Redis URL is given it starts a
+private redis-server: AOF on, in a private directory, protected mode on and a generated password that
+goes in a config file (mode 0600) there, never on a command line (`ps` shows those). The services get
+the password inside PAGEDSERVE_REDIS_URL in their environment. Then the scheduler, N workers and the
+gateway (`python -m <service>`, settings as PAGEDSERVE_* variables). `ready: http://HOST:PORT` goes to
+stdout once every child is ready: its own gateway answers /health with 200 and all N workers have a live
+heartbeat. A child that exits is restarted as `restart_policy` says (redis-server on the same port,
+directory and config, so its AOF keeps the data); the stack stops on Ctrl-C or SIGTERM (exit 0) or when
+a child cannot start at all (exit 1). Logs go to stderr, one line per start and per exit; no password.
 """
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ import argparse
 import ctypes
 import dataclasses
 import os
+import re
+import secrets
 import shutil
 import signal
 import socket
@@ -25,12 +30,15 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pagedserve.restart_policy import ChildRestarts, GiveUp, RestartPolicy
+from shared.keys import Keys
 from shared.model_dir import ModelDirError, default_model_dir, resolve_model_dir, served_model_name
 from shared.settings import ENV_PREFIX, Settings
 
 POLL_S = 0.2
 STOP_TIMEOUT_S = 15.0
 REDIS_START_TIMEOUT_S = 15.0
+REDIS = "redis-server"
 REDIS_MISSING = (
     "redis-server was not found on the PATH. Install it (Debian/Ubuntu: sudo apt-get install redis-server; "
     "Fedora: sudo dnf install redis; macOS: brew install redis; conda: conda install -c conda-forge redis-server) "
@@ -62,6 +70,11 @@ def say(message: str) -> None:
     print(f"pagedserve: {message}", file=sys.stderr, flush=True)
 
 
+def redact(url: str) -> str:
+    """`url` with its password, if any, replaced by `***`: for messages."""
+    return re.sub(r"^(\w+://[^/@]*?:)[^/@]*@", r"\1***@", url)
+
+
 def settings_env(settings: Settings) -> dict[str, str]:
     env = {}
     for f in dataclasses.fields(settings):
@@ -76,6 +89,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_in_use(host: str, port: int) -> str | None:
+    """Why a server could not listen on host:port (binding as aiohttp does), or None when it could."""
+    try:
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        return f"{host} does not resolve: {e}"
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as s:
+            # SO_REUSEADDR as the servers set it: a connection of an earlier server lingering in TIME_WAIT
+            # does not stop them, while a listening socket does.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind(address)
+            except OSError as e:
+                return f"{address[0]} port {port}: {e.strerror}"
+    return None
+
+
 def _die_with_parent() -> None:
     """In the child before exec: get SIGTERM if the launcher itself dies without stopping us (Linux)."""
     try:
@@ -85,50 +118,68 @@ def _die_with_parent() -> None:
 
 
 @dataclass(slots=True)
-class Child:
+class ChildSpec:
+    """How to start one child, the first time and each restart."""
     name: str
+    kind: str  # "redis", "scheduler", "worker" or "gateway": how to tell that it is ready
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path | None = None  # appended to across restarts; None = our stderr
+
+
+@dataclass(slots=True)
+class Child:
+    spec: ChildSpec
     proc: subprocess.Popen
-    is_worker: bool = False
+    started_at: float  # time.monotonic()
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
 
 
 @dataclass(slots=True)
 class Stack:
-    """The services as child processes, by name. Their output goes to stderr, or with `log_dir` to one
-    file per child (`<name>.log`, appended across restarts under the same name)."""
+    """The stack's processes by name. Services' output goes to stderr, or with `log_dir` to one file per
+    child (`<name>.log`, appended across restarts under the same name); redis-server's to its directory."""
     settings: Settings
     log_dir: Path | None = None
     children: dict[str, Child] = field(default_factory=dict)
-    redis: subprocess.Popen | None = None
     redis_dir: Path | None = None
     stopping: bool = False
     scheduler_module: str = "scheduler"  # benchmarks run baselines' schedulers in the same stack
 
-    def spawn(self, name: str, module: str, env: dict[str, str] | None = None, is_worker: bool = False) -> None:
-        """Start `python -m module` with the settings as PAGEDSERVE_* variables (plus `env`)."""
-        full_env = dict(os.environ, PYTHONUNBUFFERED="1", **settings_env(self.settings)) | (env or {})
-        out = sys.stderr if self.log_dir is None else open(self.log_dir / f"{name}.log", "ab")
+    def spawn(self, spec: ChildSpec) -> Child:
+        out = sys.stderr if spec.log_path is None else open(spec.log_path, "ab")
         try:
-            proc = subprocess.Popen([sys.executable, "-m", module], env=full_env, stdin=subprocess.DEVNULL,
-                                    stdout=out.fileno(), stderr=subprocess.STDOUT, start_new_session=True,
+            proc = subprocess.Popen(spec.argv, env=spec.env, stdin=subprocess.DEVNULL, stdout=out.fileno(),
+                                    stderr=subprocess.STDOUT, start_new_session=True,
                                     preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         finally:
             if out is not sys.stderr:
                 out.close()
-        self.children[name] = Child(name, proc, is_worker)
-        say(f"started {name} (pid {proc.pid})")
+        child = self.children[spec.name] = Child(spec, proc, time.monotonic())
+        say(f"started {spec.name} (pid {proc.pid})")
+        return child
+
+    def service(self, name: str, kind: str, module: str, env: dict[str, str] | None = None) -> ChildSpec:
+        """`python -m module` with the settings as PAGEDSERVE_* variables (plus `env`)."""
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", **settings_env(self.settings)) | (env or {})
+        log_path = None if self.log_dir is None else self.log_dir / f"{name}.log"
+        return ChildSpec(name, kind, [sys.executable, "-m", module], full_env, log_path)
 
     def start_scheduler(self, name: str = "scheduler") -> None:
-        self.spawn(name, self.scheduler_module)
+        self.spawn(self.service(name, "scheduler", self.scheduler_module))
 
     def start_worker(self, worker_id: str) -> None:
-        self.spawn(worker_id, "gpu_worker", {ENV_PREFIX + "WORKER_ID": worker_id}, is_worker=True)
+        self.spawn(self.service(worker_id, "worker", "gpu_worker", {ENV_PREFIX + "WORKER_ID": worker_id}))
 
     def start_services(self, workers: int, gateway: bool = True) -> None:
         self.start_scheduler()
         for i in range(workers):
             self.start_worker(f"worker-{i}")
         if gateway:
-            self.spawn("gateway", "gateway")
+            self.spawn(self.service("gateway", "gateway", "gateway"))
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Signal one child and wait for it to exit (a fault, or with SIGTERM a deliberate stop)."""
@@ -141,74 +192,75 @@ class Stack:
         return (self.log_dir / f"{name}.log").read_text(errors="replace")
 
     def start_redis(self, port: int) -> str | None:
-        """Start the private redis-server; its URL, or None after saying why it could not start."""
-        binary = shutil.which("redis-server")
+        """Start the private redis-server and wait until it answers; its URL (with the password), or None after
+        saying why it could not start."""
+        binary = shutil.which(REDIS)
         if binary is None:
             say(REDIS_MISSING)
             return None
         port = port or free_port()
-        self.redis_dir = Path(tempfile.mkdtemp(prefix="pagedserve-redis-"))
-        log = open(self.redis_dir / "redis.log", "wb")
-        self.redis = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(self.redis_dir),
-             "--appendonly", "yes", "--save", "", "--protected-mode", "no"],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
-        log.close()
-        url = f"redis://127.0.0.1:{port}/0"
+        self.redis_dir = Path(tempfile.mkdtemp(prefix="pagedserve-redis-"))  # mode 0700
+        password = secrets.token_urlsafe(32)  # URL- and config-safe characters only
+        config = self.redis_dir / "redis.conf"
+        fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"port {port}\nbind 127.0.0.1\nprotected-mode yes\ndir {_quoted(str(self.redis_dir))}\n"
+                    f"appendonly yes\nsave \"\"\nrequirepass {password}\n")
+        child = self.spawn(ChildSpec(REDIS, "redis", [binary, str(config)], dict(os.environ),
+                                     self.redis_dir / "redis.log"))
+        url = f"redis://:{password}@127.0.0.1:{port}/0"
         deadline = time.monotonic() + REDIS_START_TIMEOUT_S
         while not _redis_answers(url):
-            if self.redis.poll() is not None or time.monotonic() > deadline:
+            if child.proc.poll() is not None or time.monotonic() > deadline:
                 tail = (self.redis_dir / "redis.log").read_text(errors="replace")[-800:]
                 say(f"redis-server did not start on port {port}:\n{tail}")
                 return None
             time.sleep(0.05)
-        say(f"started redis-server (pid {self.redis.pid}) on port {port}, AOF in {self.redis_dir}")
+        say(f"redis-server listens on 127.0.0.1:{port} with a password; its config (mode 0600, with the "
+            f"password) is {config}, its AOF in {self.redis_dir}")
         return url
 
-    def check_children(self) -> Child | None:
-        """The first child that died, or None; a worker that exited cleanly is let go."""
-        for child in list(self.children.values()):
-            code = child.proc.poll()
-            if code is None:
-                continue
-            if child.is_worker and code == 0:
-                del self.children[child.name]
-                left = sum(c.is_worker for c in self.children.values())
-                say(f"{child.name} stopped; {left} worker(s) left")
-                continue
-            return child
-        return None
+    def reap(self) -> list[Child]:
+        """The children that have exited, taken out of `children`."""
+        dead = [c for c in self.children.values() if c.proc.poll() is not None]
+        for child in dead:
+            del self.children[child.name]
+        return dead
 
     def assert_alive(self) -> None:
-        """Fail with the child's last output if one has died (tests and benchmarks call this while waiting)."""
-        dead = self.check_children()
-        if dead is not None:
-            tail = self.log(dead.name)[-3000:] if self.log_dir is not None else "(its output went to stderr)"
-            raise AssertionError(f"{dead.name} died (exit code {dead.proc.returncode}):\n{tail}")
+        """Fail with the child's last output if one has exited (tests and benchmarks call this while waiting)."""
+        for child in self.reap():
+            tail = self.log(child.name)[-3000:] if self.log_dir is not None else "(its output went to stderr)"
+            raise AssertionError(f"{child.name} died (exit code {child.proc.returncode}):\n{tail}")
 
     def stop(self) -> None:
-        for child in self.children.values():
-            if child.proc.poll() is None:
-                child.proc.terminate()
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for child in self.children.values():
-            try:
-                code = child.proc.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                say(f"{child.name} did not stop within {STOP_TIMEOUT_S:.0f} s; killing it")
-                child.proc.kill()
-                code = child.proc.wait()
-            say(f"{child.name} stopped (exit code {code})")
-        if self.redis is not None and self.redis.poll() is None:
-            self.redis.terminate()
-            try:
-                self.redis.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.redis.kill()
-                self.redis.wait()
+        """SIGTERM to every service, then to redis-server once they have stopped; SIGKILL after a timeout."""
+        services = [c for c in self.children.values() if c.spec.kind != "redis"]
+        _terminate(services)
+        _terminate([c for c in self.children.values() if c.spec.kind == "redis"])
+        self.children.clear()
         if self.redis_dir is not None:
             shutil.rmtree(self.redis_dir, ignore_errors=True)
+
+
+def _terminate(children: list[Child]) -> None:
+    for child in children:
+        if child.proc.poll() is None:
+            child.proc.terminate()
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for child in children:
+        try:
+            code = child.proc.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            say(f"{child.name} did not stop within {STOP_TIMEOUT_S:.0f} s; killing it")
+            child.proc.kill()
+            code = child.proc.wait()
+        say(f"{child.name} stopped (exit code {code})")
+
+
+def _quoted(value: str) -> str:
+    """A string as a redis.conf argument."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _redis_answers(url: str) -> bool:
@@ -220,12 +272,49 @@ def _redis_answers(url: str) -> bool:
         return False
 
 
-def _healthy(url: str) -> bool:
+def _health(url: str) -> int | None:
+    """The status /health answers with, or None when nothing answers."""
     try:
         with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-            return resp.status == 200
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
     except (urllib.error.URLError, OSError):
-        return False
+        return None
+
+
+@dataclass(slots=True)
+class Readiness:
+    """Which children are ready, from the outside: redis-server answers PING, the scheduler holds its lease, a
+    worker's heartbeat is alive, the gateway answers /health (200 once a worker is alive)."""
+    redis_url: str
+    gateway_url: str
+    keys: Keys = field(default_factory=Keys)
+
+    def check(self, children: list[Child]) -> tuple[set[str], int | None]:
+        """(names of the ready children, the gateway's /health status)."""
+        import redis
+
+        ready: set[str] = set()
+        on_redis = [c for c in children if c.spec.kind in ("redis", "scheduler", "worker")]
+        try:
+            client = redis.Redis.from_url(self.redis_url, socket_timeout=1, socket_connect_timeout=1)
+            with client:
+                pipe = client.pipeline(transaction=False)
+                for child in on_redis:
+                    if child.spec.kind == "redis":
+                        pipe.ping()
+                    elif child.spec.kind == "scheduler":
+                        pipe.exists(self.keys.scheduler_lease)
+                    else:
+                        pipe.exists(self.keys.heartbeat(child.name))
+                ready |= {c.name for c, ok in zip(on_redis, pipe.execute()) if ok}
+        except (redis.RedisError, OSError):
+            pass
+        health = _health(self.gateway_url) if any(c.spec.kind == "gateway" for c in children) else None
+        if health is not None:
+            ready |= {c.name for c in children if c.spec.kind == "gateway"}
+        return ready, health
 
 
 def ensure_model(settings: Settings) -> Settings:
@@ -241,10 +330,19 @@ def ensure_model(settings: Settings) -> Settings:
     return settings.replace(model=str(path))
 
 
-def up(settings: Settings, workers: int, redis_port: int = 0, scheduler_module: str = "scheduler") -> int:
-    """Run the stack until Ctrl-C/SIGTERM (0) or until a child dies (1); 2 for bad arguments."""
+def up(settings: Settings, workers: int, redis_port: int = 0, policy: RestartPolicy = RestartPolicy(),
+       scheduler_module: str = "scheduler") -> int:
+    """Run the stack until Ctrl-C/SIGTERM (0) or until a child cannot start (1); 2 for bad arguments or a
+    port in use. `scheduler_module` runs another scheduler service (benchmarks' baselines)."""
     if workers < 1:
         say(f"--workers must be at least 1; got {workers}")
+        return 2
+    busy = port_in_use(settings.host, settings.port)
+    if busy is None and not settings.redis_url and redis_port:
+        busy = port_in_use("127.0.0.1", redis_port)
+    if busy is not None:
+        say(f"cannot listen on {busy}; another server is probably there. Stop it, or pick other ports with "
+            "--port (and --redis-port); nothing was started")
         return 2
     try:
         settings = ensure_model(settings)
@@ -259,14 +357,14 @@ def up(settings: Settings, workers: int, redis_port: int = 0, scheduler_module: 
 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _run(stack, workers, redis_port)
+        return _run(stack, workers, redis_port, policy)
     finally:
         stack.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def _run(stack: Stack, workers: int, redis_port: int) -> int:
+def _run(stack: Stack, workers: int, redis_port: int, policy: RestartPolicy) -> int:
     settings = stack.settings
     if not settings.redis_url:
         url = stack.start_redis(redis_port)
@@ -274,25 +372,48 @@ def _run(stack: Stack, workers: int, redis_port: int) -> int:
             return 1
         stack.settings = settings = settings.replace(redis_url=url)
     elif not _redis_answers(settings.redis_url):
-        say(f"no Redis answers at {settings.redis_url}; start one or drop --redis-url to let pagedserve start it")
+        say(f"no Redis answers at {redact(settings.redis_url)}; start one or drop --redis-url to let pagedserve "
+            "start it")
         return 1
     stack.start_services(workers)
     host = settings.host if ":" not in settings.host else f"[{settings.host}]"
     probe = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else host
-    public, local = f"http://{host}:{settings.port}", f"http://{probe}:{settings.port}"
-    ready = False
+    public = f"http://{host}:{settings.port}"
+    readiness = Readiness(settings.redis_url, f"http://{probe}:{settings.port}")
+    history = {name: ChildRestarts(policy, child.started_at, ever_ready=child.spec.kind == "redis")
+               for name, child in stack.children.items()}
+    pending: dict[str, tuple[float, ChildSpec]] = {}  # name → (when to restart it, how)
+    announced = False
     while not stack.stopping:
-        dead = stack.check_children()
-        if dead is not None or (stack.redis is not None and stack.redis.poll() is not None):
-            name, code = (dead.name, dead.proc.returncode) if dead else ("redis-server", stack.redis.returncode)
-            say(f"{name} exited unexpectedly (exit code {code}); stopping the stack")
-            return 1
-        if not ready and _healthy(local):
-            ready = True
-            print(f"ready: {public}", flush=True)
-            name = served_model_name(resolve_model_dir(settings.model), settings.served_model_name)
-            say(f"try: curl -s {public}/v1/completions -H 'Content-Type: application/json' "
-                f"-d '{{\"model\": \"{name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'")
+        now = time.monotonic()
+        for child in stack.reap():
+            decision = history[child.name].exited(now)
+            if isinstance(decision, GiveUp):
+                say(f"{child.name} exited (exit code {child.proc.returncode}) and cannot start: {decision.reason}; "
+                    "stopping the stack")
+                return 1
+            say(f"{child.name} exited (exit code {child.proc.returncode}); restarting it in {decision.delay:.2f} s "
+                f"(restart {decision.recent} of {policy.describe()})")
+            pending[child.name] = (decision.at, child.spec)
+        for name, (at, spec) in list(pending.items()):
+            if now >= at:
+                del pending[name]
+                history[name].started(stack.spawn(spec).started_at)
+        if not announced:
+            ready, health = readiness.check(list(stack.children.values()))
+            for name in ready:
+                history[name].ready()
+            if health == 200 and not pending and ready == set(stack.children):
+                announced = True
+                _announce(public, settings)
         time.sleep(POLL_S)
     say("stopping")
     return 0
+
+
+def _announce(public: str, settings: Settings) -> None:
+    print(f"ready: {public}", flush=True)
+    name = served_model_name(resolve_model_dir(settings.model), settings.served_model_name)
+    auth = " -H \"Authorization: Bearer $PAGEDSERVE_API_KEY\"" if settings.api_key else ""
+    say(f"try: curl -s {public}/v1/completions -H 'Content-Type: application/json'{auth} "
+        f"-d '{{\"model\": \"{name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'")

@@ -47,7 +47,8 @@ def build_tokenizer():
 
 
 def write_tiny_model(out_dir: str | Path) -> Path:
-    """Write the tiny checkpoint (config, safetensors weights, tokenizer, chat template) to `out_dir`."""
+    """Write the tiny checkpoint (config, safetensors weights, tokenizer, chat template) to `out_dir`, every
+    file readable by all (0644)."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -68,4 +69,9 @@ def write_tiny_model(out_dir: str | Path) -> Path:
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     (out / "pagedserve.json").write_text(json.dumps({"source": "pagedserve tiny-model", "seed": SEED}) + "\n")
+    # Readable by all: the weights come out 0600 (written through a private temporary file), and the compose
+    # images read the checkpoint from a read-only mount as another user (uid 1000).
+    for path in out.iterdir():
+        if path.is_file():
+            path.chmod(0o644)
     return out

@@ -60,11 +60,14 @@ class Backoff:
 
 
 def retry(action: Callable[[], T], what: str, stop: threading.Event | None = None) -> T | None:
-    """Run `action` until Redis lets it through, backing off between tries; None if `stop` is set by then."""
+    """Run `action` until Redis lets it through, backing off between tries; None if `stop` is set by then. A
+    refused password is raised at once: waiting will not mend it."""
     backoff = Backoff()
     while True:
         try:
             return action()
+        except redis.AuthenticationError:
+            raise
         except RECONNECT_ERRORS as e:
             if stop is not None and stop.is_set():
                 return None
@@ -78,6 +81,8 @@ async def retry_async(action: Callable[[], Awaitable[T]], what: str, stop: async
     while True:
         try:
             return await action()
+        except redis.AuthenticationError:
+            raise
         except RECONNECT_ERRORS as e:
             if stop is not None and stop.is_set():
                 return None

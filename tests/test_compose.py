@@ -1,13 +1,20 @@
-"""docker-compose.yml, its CPU override and the Dockerfile, checked as data (no Docker engine needed)."""
+"""docker-compose.yml, its CPU override and the Dockerfile, checked as data (no Docker engine needed); the
+Redis configuration it writes is run with a local redis-server."""
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
+import redis
 import yaml
+from redis.connection import parse_url
+from redis_harness import free_port, wait_ready
 
 from shared.settings import ENV_PREFIX, Settings
 
@@ -27,21 +34,122 @@ def load(name: str) -> dict:
     return yaml.load((ROOT / name).read_text(), Loader=ComposeLoader)
 
 
+class MissingVariable(ValueError):
+    """`${VAR:?message}` with VAR unset or empty: compose refuses to start with the message."""
+
+
+_VARIABLE = re.compile(r"\$(?:(\$)|\{([A-Za-z_]\w*)(?:(:?[-?+])([^}]*))?\}|([A-Za-z_]\w*))")
+
+
+def interpolate(value, env: dict[str, str]):
+    """`value` with compose's variable interpolation applied to every string in it."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def substitute(m: re.Match) -> str:
+        escaped, name, op, arg, bare = m.groups()
+        if escaped:
+            return "$"
+        name = name or bare
+        given = env.get(name)
+        unset = given is None or (op is not None and op.startswith(":") and given == "")
+        if op in ("-", ":-"):
+            return arg if unset else given
+        if op in ("?", ":?"):
+            if unset:
+                raise MissingVariable(f"{name}: {arg}")
+            return given
+        if op in ("+", ":+"):
+            return "" if unset else arg
+        return given or ""
+    return _VARIABLE.sub(substitute, value)
+
+
+def resolved(env: dict[str, str], name: str = "docker-compose.yml") -> dict:
+    return interpolate(load(name), env)
+
+
+PASSWORD = "0f1e2d3c4b5a69788796a5b4c3d2e1f0"
+
+
 @pytest.fixture(scope="module")
 def compose() -> dict:
-    return load("docker-compose.yml")["services"]
+    return resolved({"REDIS_PASSWORD": PASSWORD})["services"]
 
 
 def dockerfile_stages() -> set[str]:
     return set(re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", (ROOT / "Dockerfile").read_text(), re.M | re.I))
 
 
+def redis_config(env: dict[str, str]) -> str:
+    """The configuration the compose file gives redis-server, checked to be the file its command names."""
+    spec = resolved(env)
+    (mount,) = spec["services"]["redis"]["configs"]
+    assert spec["services"]["redis"]["command"] == ["redis-server", mount["target"]]
+    return spec["configs"][mount["source"]]["content"]
+
+
 def test_redis_keeps_an_append_only_file_on_a_volume_and_has_a_healthcheck(compose):
-    redis = compose["redis"]
-    command = " ".join(redis["command"])
-    assert "--appendonly yes" in command
-    assert any(v.endswith(":/data") for v in redis["volumes"])
-    assert "redis-cli" in redis["healthcheck"]["test"] and "ping" in redis["healthcheck"]["test"]
+    assert "appendonly yes" in redis_config({"REDIS_PASSWORD": PASSWORD}).splitlines()
+    spec = compose["redis"]
+    assert any(v.endswith(":/data") for v in spec["volumes"])
+    kind, check = spec["healthcheck"]["test"]
+    assert kind == "CMD-SHELL" and check.startswith("redis-cli ping") and "PONG" in check
+
+
+def test_compose_refuses_to_start_without_a_redis_password():
+    with pytest.raises(MissingVariable, match="REDIS_PASSWORD"):
+        resolved({})
+    spec = load("docker-compose.yml")
+    for place in (spec["x-service-env"]["PAGEDSERVE_REDIS_URL"], spec["configs"]["redis-conf"]["content"],
+                  spec["services"]["redis"]["environment"]["REDISCLI_AUTH"]):
+        with pytest.raises(MissingVariable, match="REDIS_PASSWORD"):
+            interpolate(place, {"REDIS_PASSWORD": ""})
+
+
+@pytest.mark.parametrize("service", sorted(SERVICES))
+def test_services_and_the_healthcheck_get_the_password_and_no_command_line_shows_it(compose, service):
+    url = parse_url(compose[service]["environment"]["PAGEDSERVE_REDIS_URL"])
+    assert (url["host"], url["port"], url["password"]) == ("redis", 6379, PASSWORD)
+    assert compose["redis"]["environment"]["REDISCLI_AUTH"] == PASSWORD  # redis-cli logs in with it
+    for spec in compose.values():
+        assert PASSWORD not in " ".join(spec.get("command", [])) + " ".join(spec["healthcheck"]["test"]
+                                                                            if "healthcheck" in spec else [])
+
+
+@pytest.mark.redis
+def test_the_compose_redis_config_makes_a_real_redis_require_the_password(tmp_path):
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not on the PATH")
+    config = tmp_path / "redis.conf"
+    config.write_text(redis_config({"REDIS_PASSWORD": PASSWORD}))
+    port = free_port()
+    # Where compose's container has its own network and /data, this server takes a free port and a tmp dir.
+    server = subprocess.Popen([binary, str(config), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"redis://:{PASSWORD}@127.0.0.1:{port}/0"
+        wait_ready(url)
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port, socket_timeout=5, retry=None).ping()  # no retries: fail at once
+        with redis.Redis.from_url(url, socket_timeout=5) as r:
+            assert r.config_get("appendonly") == {"appendonly": "yes"}
+            assert r.config_get("protected-mode") == {"protected-mode": "yes"}
+        cli = shutil.which("redis-cli")
+        if cli is not None:  # the healthcheck's way in: redis-cli with REDISCLI_AUTH from the environment
+            ping = [cli, "-p", str(port), "ping"]
+            assert subprocess.run(ping, capture_output=True, text=True, timeout=10,
+                                  env=dict(os.environ, REDISCLI_AUTH=PASSWORD)).stdout.strip() == "PONG"
+            assert "NOAUTH" in subprocess.run(ping, capture_output=True, text=True, timeout=10,
+                                              env={k: v for k, v in os.environ.items() if k != "REDISCLI_AUTH"}).stdout
+    finally:
+        server.terminate()
+        server.wait(10)
 
 
 @pytest.mark.parametrize("service", sorted(SERVICES))
@@ -51,7 +159,6 @@ def test_services_start_after_redis_is_healthy_and_run_real_modules(compose, ser
     assert spec["command"][:2] == ["python", "-m"] and spec["command"][2] == SERVICES[service]
     assert importlib.util.find_spec(spec["command"][2]) is not None
     env = spec["environment"]
-    assert env["PAGEDSERVE_REDIS_URL"].startswith("redis://redis:")
     assert set(env) <= SETTING_VARS, f"unknown settings: {set(env) - SETTING_VARS}"
     assert spec["build"]["target"] in dockerfile_stages()
 
@@ -65,11 +172,13 @@ def test_the_model_folder_is_mounted_where_the_model_setting_points(compose, ser
     assert any(spec["environment"]["PAGEDSERVE_MODEL"].startswith(t + "/") for t in targets)
 
 
-def test_the_gateway_listens_on_all_interfaces_behind_a_published_port(compose):
+def test_the_gateway_is_published_on_loopback_unless_an_address_is_given(compose):
     gateway = compose["gateway"]
+    # Inside its container the gateway listens on every interface; the host publishes it where it is told.
     assert gateway["environment"]["PAGEDSERVE_HOST"] == "0.0.0.0"
-    port = gateway["environment"]["PAGEDSERVE_PORT"]
-    assert any(p.rsplit(":", 1)[1] == port for p in gateway["ports"])
+    assert gateway["ports"] == [f"127.0.0.1:8000:{gateway['environment']['PAGEDSERVE_PORT']}"]
+    exposed = resolved({"REDIS_PASSWORD": PASSWORD, "PAGEDSERVE_PUBLISH_ADDRESS": "0.0.0.0", "PAGEDSERVE_PORT": "9000"})
+    assert exposed["services"]["gateway"]["ports"] == ["0.0.0.0:9000:8000"]
 
 
 def test_gpu_workers_reserve_a_gpu_and_can_be_scaled(compose):

@@ -5,14 +5,8 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import os
-import queue
-import re
 import signal
-import socket
-import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -27,20 +21,14 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from redis_harness import free_port
 from test_gateway_http import BODIES
+from up_harness import Up, run_up
 
 from shared.keys import Keys
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
-UP = [sys.executable, "-m", "pagedserve", "up"]
 KEY = "test-key"
 BODY_LIMIT = 64 << 10
 MAX_WAITING = 2
-START_TIMEOUT_S = 600
-
-
-def run_up(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*UP, *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def test_up_without_redis_server_says_how_to_get_one(tiny_model_dir):
@@ -59,28 +47,17 @@ def test_up_writes_the_tiny_model_on_first_use(tmp_path):
     assert "writing the built-in tiny model" in out.stderr
 
 
-def test_up_names_the_child_that_died_and_exits_non_zero(tiny_model_dir):
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        out = run_up("--model", str(tiny_model_dir), "--port", str(taken.getsockname()[1]), "--workers", "1")
-    assert out.returncode == 1 and out.stdout == ""
-    assert "gateway exited unexpectedly" in out.stderr
-
-
 @dataclass(slots=True)
 class Stack:
-    proc: subprocess.Popen
-    url: str
+    up: Up
     redis_url: str
-    log: Path
+
+    @property
+    def url(self) -> str:
+        return self.up.url
 
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=120, **kw)
-
-    def pids(self, prefix: str) -> dict[str, int]:
-        found = re.findall(r"started (\S+) \(pid (\d+)\)", self.log.read_text(errors="replace"))
-        return {name: int(pid) for name, pid in found if name.startswith(prefix)}
 
     def raw(self, method: str, path: str, body: bytes | None = None, key: str | None = KEY) -> tuple[int, dict, str]:
         req = urllib.request.Request(self.url + path, data=body, method=method,
@@ -100,36 +77,17 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir, tmp_path_factory):
-    port, redis_port = free_port(), free_port()
-    log = tmp_path_factory.mktemp("stack") / "up.log"
-    cmd = [*UP, "--workers", "2", "--model", str(tiny_model_dir),
-           "--port", str(port), "--redis-port", str(redis_port), "--dtype", "float32", "--api-key", KEY,
-           "--max-body-bytes", str(BODY_LIMIT), "--max-waiting-requests", str(MAX_WAITING),
-           "--heartbeat-ttl", "2", "--kv-cache-bytes", str(16 << 20), "--swap-space-bytes", str(16 << 20)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("PAGEDSERVE_REDIS_URL", None)
-    with open(log, "wb") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=env, text=True)
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    stack = Stack(proc, f"http://127.0.0.1:{port}", f"redis://127.0.0.1:{redis_port}/0", log)
-    deadline = time.monotonic() + START_TIMEOUT_S
+    port = free_port()
+    up = Up.start(["--workers", "2", "--model", str(tiny_model_dir), "--port", str(port), "--redis-port",
+                   str(free_port()), "--dtype", "float32", "--api-key", KEY, "--max-body-bytes", str(BODY_LIMIT),
+                   "--max-waiting-requests", str(MAX_WAITING), "--heartbeat-ttl", "2", "--kv-cache-bytes",
+                   str(16 << 20), "--swap-space-bytes", str(16 << 20)], tmp_path_factory.mktemp("stack") / "up.log")
     try:
-        while True:
-            try:
-                first = lines.get(timeout=1)
-                break
-            except queue.Empty:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"`pagedserve up` did not get ready (exit {proc.poll()}):\n"
-                                f"{log.read_text(errors='replace')[-4000:]}")
-        assert first == f"ready: http://127.0.0.1:{port}\n", first
-        yield stack
-        assert lines.empty(), "`pagedserve up` prints exactly one line on stdout"
+        assert up.url == f"http://127.0.0.1:{port}", up.url
+        yield Stack(up, up.redis_url())
+        assert up.lines.empty(), "`pagedserve up` prints exactly one line on stdout"
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(120)
+        up.stop()
 
 
 @pytest.fixture(scope="module")
@@ -373,22 +331,10 @@ def test_fuzzed_bodies_never_get_a_5xx_and_the_stack_still_answers(stack):
     assert resp.usage.completion_tokens >= 1
 
 
-def test_health_turns_503_when_the_last_worker_stops(stack):
-    status, _, body = stack.raw("GET", "/health", key=None)
-    assert status == 200 and json.loads(body)["workers"] == ["worker-0", "worker-1"]
-    workers = stack.pids("worker-")
-    assert sorted(workers) == ["worker-0", "worker-1"]
-    for pid in workers.values():
-        os.kill(pid, signal.SIGTERM)
-    wait_for(lambda: stack.raw("GET", "/health", key=None)[0] == 503, "/health to turn 503")
-    assert "worker" in json.loads(stack.raw("GET", "/health", key=None)[2])["reason"]
-    assert stack.proc.poll() is None, "workers that stop cleanly do not take the stack down"
-
-
 def test_sigterm_stops_the_whole_stack_cleanly(stack):
-    children = stack.pids("")
-    stack.proc.send_signal(signal.SIGTERM)
-    assert stack.proc.wait(120) == 0
+    children = stack.up.pids()
+    stack.up.proc.send_signal(signal.SIGTERM)
+    assert stack.up.proc.wait(120) == 0
     for name, pid in children.items():
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower(), \
             f"{name} (pid {pid}) outlived `pagedserve up`"
