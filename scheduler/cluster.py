@@ -12,12 +12,13 @@ import itertools
 import sys
 from dataclasses import dataclass, field
 
+from scheduler.beam_search import BeamSearch
 from scheduler.kv_cache_manager import cdiv
 from scheduler.request import FinishedRequest, RequestState, Status
 from scheduler.worker_scheduler import ORDER, Ids, LookaheadScheduler, WorkerScheduler
 from shared.out_stream import OutOfOrder, OutputFold
 from shared.protocol import (
-    REJECTED, UNAVAILABLE, Assignment, Request, SchedulerStats, StepPlan, StepResult, TokenOutput,
+    REJECTED, SCHEDULER_WRITER, UNAVAILABLE, Assignment, Request, SchedulerStats, StepPlan, StepResult, TokenOutput,
     WorkerRegistration, WorkerStats,
 )
 from shared.sampling import finish_reason
@@ -67,6 +68,8 @@ class Cluster:
         """Register a worker; the same registration again is a no-op, a changed one replaces the worker (its
         requests resume by recompute). Raises ValueError for a registration it cannot use."""
         bs = reg.block_size
+        if reg.worker_id in ("", SCHEDULER_WRITER):
+            raise ValueError(f"worker id {reg.worker_id!r} is reserved")
         if not (bs > 0 and bs & (bs - 1) == 0):
             raise ValueError(f"worker {reg.worker_id}: block_size must be a power of two; got {bs}")
         if reg.num_blocks < 2 or reg.num_swap_blocks < 0 or reg.max_model_len < 2:
@@ -156,9 +159,13 @@ class Cluster:
         if error is not None:
             self._collect([FinishedRequest(req.rid, "error", error, REJECTED)])
             return
-        n = req.params.n
-        rs = RequestState(req, next(self._order), [list(outputs.get(i, ())) for i in range(n)],
-                          [reasons.get(i) for i in range(n)])
+        params = req.params
+        if params.beam_width:  # its samples are the live beams: one to begin with (a restart begins again)
+            rs = RequestState(req, next(self._order), [[]], [None],
+                              beam=BeamSearch(params.beam_width, params.length_penalty, params.early_stopping))
+        else:
+            rs = RequestState(req, next(self._order), [list(outputs.get(i, ())) for i in range(params.n)],
+                              [reasons.get(i) for i in range(params.n)])
         for i in rs.live_samples:  # what ends a sample whatever the worker: max_tokens, stop_token_ids
             rs.reasons[i] = finish_reason(req.params, rs.outputs[i], len(rs.tokens(i)), sys.maxsize, ())
         if rs.done:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from scheduler.beam_search import BeamSearch, Hypothesis
 from shared.protocol import Request
 
 
@@ -26,16 +27,19 @@ class FinishedRequest:
     finish_reason: str  # "stop" | "length" | "abort" | "error"
     error: str | None = None  # set for rejected/failed requests: a clear message for the client
     error_kind: str | None = None  # REJECTED, UNAVAILABLE or FAILED, with `error`
+    beams: list[Hypothesis] | None = None  # a beam search's n best beams, which the scheduler writes itself
 
 
 @dataclass(slots=True, eq=False)
 class Sequence:
     seq_id: int
-    sample_index: int
+    sample_index: int  # which of its request's samples (or live beams) it computes
     num_computed: int = 0  # tokens whose KV is in the cache, or will be once the plans sent are done
     num_placeholders: int = 0  # lookahead only: tokens sampled by plans in flight, not known yet
     sent: bool = False  # the worker has its NewSequence
+    fork_of: Sequence | None = None  # forked from this one: while it lives on the worker, the prompt comes from there
     resend_table: bool = False  # the worker's block table must be replaced (after swap-in)
+    appended: list[int] = field(default_factory=list)  # tokens the scheduler chose, not yet sent (beams)
 
 
 @dataclass(slots=True, eq=False)
@@ -52,6 +56,7 @@ class RequestState:
     prompt_hashes: dict[bytes, list[bytes]] = field(default_factory=dict)  # extra keys → block hashes
     uncached: int = 0  # prompt tokens its worker had not cached when it was placed there
     last_reason: str = "stop"
+    beam: BeamSearch | None = None  # a beam search: its samples are the live beams, best first
 
     @property
     def rid(self) -> str:

@@ -29,7 +29,7 @@ from shared.bus import (
 from shared.keys import FIELD, PLANS_MAXLEN, Keys
 from shared.log import setup_logging
 from shared.protocol import (
-    Abort, Assignment, ProtocolError, Request, StepResult, TokenOutput, WorkerGone, WorkerRegistration, decode,
+    SCHEDULER_WRITER, Abort, Assignment, ProtocolError, Request, StepResult, TokenOutput, WorkerGone, WorkerRegistration, decode,
     encode,
 )
 from shared.settings import Settings
@@ -208,12 +208,21 @@ class SchedulerService:
 
     def _end(self, done: FinishedRequest) -> list[Command]:
         key = self.keys.out(done.rid)
+        commands: list[Command] = []
+        if done.beams is not None:  # a beam search's results: the scheduler writes them as their writer
+            epoch = self.cluster.epoch
+            entries = [Assignment(done.rid, SCHEDULER_WRITER, epoch)] + [
+                TokenOutput(done.rid, i, k, token, beam.logprobs[k],
+                            finish_reason=beam.finish_reason if k == len(beam.tokens) - 1 else None,
+                            worker_id=SCHEDULER_WRITER, epoch=epoch)
+                for i, beam in enumerate(done.beams) for k, token in enumerate(beam.tokens)]
+            commands += [("xadd", (key, {FIELD: encode(entry)}), {}) for entry in entries]
         # The request-level end: the gateway ends every sample the workers did not finish (an error,
         # an abort, a request that outgrew the cache) with this reason.
         end = TokenOutput(done.rid, -1, 0, -1, finish_reason=done.finish_reason, error=done.error,
                           error_kind=done.error_kind)
-        commands: list[Command] = [("xadd", (key, {FIELD: encode(end)}), {}),
-                                   ("pexpire", (key, int(self.settings.out_stream_ttl * 1000)), {})]
+        commands += [("xadd", (key, {FIELD: encode(end)}), {}),
+                     ("pexpire", (key, int(self.settings.out_stream_ttl * 1000)), {})]
         entry_id = self.entry_ids.pop(done.rid, None)
         if entry_id is not None:
             commands.append(("xack", (self.keys.requests, self.keys.scheduler_group, entry_id), {}))

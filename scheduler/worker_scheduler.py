@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from operator import attrgetter
 
+from scheduler.beam_search import Hypothesis
 from scheduler.kv_cache_manager import Growth, KVCacheManager, Slots
 from scheduler.request import FinishedRequest, RequestState, Sequence, Status
 from shared.protocol import FAILED, NewSequence, ScheduledSequence, StepPlan, StepResult, WorkerRegistration
@@ -147,7 +148,7 @@ class WorkerScheduler:
                     chunks.pop()
                     continue
                 if not admitting:  # alone, it holds every used block and still needs more
-                    self.finish(rs, "length")
+                    self.finish(rs, "length", beams=rs.beam and rs.beam.cut_short(rs.req.params.n, rs.outputs))
                 return
             victim = self.running[-1]
             self._preempt(victim, step)
@@ -164,7 +165,7 @@ class WorkerScheduler:
             left = self._target(rs, seq) - seq.num_computed
             num_new = min(left, budget)
             if num_new > 0:
-                chunks.append((seq, num_new, num_new == left and rs.fork_at is None))
+                chunks.append((seq, num_new, num_new == left and rs.fork_at is None and rs.beam is None))
                 budget -= num_new
                 seqs_left -= 1
         return chunks
@@ -176,14 +177,18 @@ class WorkerScheduler:
         for seq, num_new, emits in chunks:
             start = seq.num_computed
             if not seq.sent:
-                plan.new_sequences.append(NewSequence(seq.seq_id, rs.rid, seq.sample_index, list(rs.prompt),
-                                                      list(rs.outputs[seq.sample_index]), rs.req.params))
+                parent = seq.fork_of if seq.fork_of is not None and seq.fork_of.sent and seq.fork_of in rs.seqs else None
+                plan.new_sequences.append(NewSequence(
+                    seq.seq_id, rs.rid, seq.sample_index, list(rs.prompt) if parent is None else [],
+                    list(rs.outputs[seq.sample_index]), rs.req.params, None if parent is None else parent.seq_id))
                 seq.sent = True
+                seq.appended = []  # in its outputs already
                 item = ScheduledSequence(seq.seq_id, start, num_new, self.kv.block_ids(seq.seq_id))
             elif seq.resend_table or seq.seq_id in slots.rewritten:
                 item = ScheduledSequence(seq.seq_id, start, num_new, [], self.kv.block_ids(seq.seq_id))
             else:
                 item = ScheduledSequence(seq.seq_id, start, num_new, slots.new_block_ids[seq.seq_id])
+            item.append_token_ids, seq.appended = seq.appended, []
             seq.resend_table = False
             plan.scheduled.append(item)
             seq.num_computed += num_new
@@ -199,7 +204,7 @@ class WorkerScheduler:
             return
         parent = rs.seqs[0]
         for i in rs.live_samples[1:]:
-            child = Sequence(next(self.ids.seqs), i, num_computed=rs.fork_at)
+            child = Sequence(next(self.ids.seqs), i, num_computed=rs.fork_at, fork_of=parent)
             self.kv.fork(parent.seq_id, child.seq_id, rs.fork_at)
             rs.seqs.append(child)
         rs.fork_at = None
@@ -222,10 +227,15 @@ class WorkerScheduler:
     def _release(self, rs: RequestState) -> None:
         """Free every block of the request's sequences; the worker forgets those it knows."""
         for seq in rs.seqs:
-            self.kv.free(seq.seq_id)
-            if seq.sent:
-                self.to_forget.append(seq.seq_id)
+            self._drop(seq)
         rs.seqs = []
+        if rs.beam is not None:
+            rs.beam.reported = {}  # every live beam reports again once it runs again
+
+    def _drop(self, seq: Sequence) -> None:
+        self.kv.free(seq.seq_id)
+        if seq.sent:
+            self.to_forget.append(seq.seq_id)
 
     # ---- admission ------------------------------------------------------------------------
     def _admit_from(self, queue: list[RequestState], step: StepBuilder) -> None:
@@ -265,7 +275,7 @@ class WorkerScheduler:
             growth.opens.append((seq.seq_id, hits, hashes, len(tokens)))
             num_new = min(end - seq.num_computed, budget) if seqs_left else 0
             if num_new > 0:
-                chunks.append((seq, num_new, seq.num_computed + num_new == len(tokens)))
+                chunks.append((seq, num_new, seq.num_computed + num_new == len(tokens) and rs.beam is None))
                 budget -= num_new
                 seqs_left -= 1
         growth.writes = _writes(chunks)
@@ -322,12 +332,15 @@ class WorkerScheduler:
                     self.finish(rs, "error", f"worker {self.worker_id} failed the step: {result.error}", FAILED)
             return
         emitting: dict[tuple[str, int], Scheduled] = {}
+        reporting: dict[int, Scheduled] = {}  # beams: seq id → its chunk that reached the end
         for c in chunks:
             if c.rs.status is not Status.RUNNING or c.seq not in c.rs.seqs:
                 continue  # aborted, or its sample ended, while in flight
             self.kv.commit(c.seq.seq_id, c.rs.prompt, c.rs.outputs[c.seq.sample_index], c.start + c.num_new)
             if c.emits_token:
                 emitting[(c.rs.rid, c.seq.sample_index)] = c
+            elif c.rs.beam is not None and c.start + c.num_new == c.rs.num_tokens(c.seq):
+                reporting[c.seq.seq_id] = c
         for out in result.outputs:
             if out.sample_index < 0:  # the worker could not run this request's sequences
                 rs = next((c.rs for c in chunks if c.rs.rid == out.rid), None)
@@ -339,12 +352,54 @@ class WorkerScheduler:
                 continue
             self._token_arrived(c.seq)
             self._append_token(c.rs, c.seq, out.token_id)
-        for c in emitting.values():
+        for beams in result.beams:
+            c = reporting.pop(beams.seq_id, None)
+            if c is not None and c.rs.status is Status.RUNNING:
+                c.rs.beam.reported[c.seq.sample_index] = beams.top
+                if len(c.rs.beam.reported) == len(c.rs.outputs):
+                    self._advance_beams(c.rs)
+        for c in [*emitting.values(), *reporting.values()]:
             # The worker samples every sequence a plan asks it to and skips only those it saw end, as the
             # scheduler does: a token missing here means the two disagree, and sampling again could loop.
             if c.rs.status is Status.RUNNING:
                 self.finish(c.rs, "error", f"worker {self.worker_id} returned no token for sample "
                                            f"{c.seq.sample_index} in step {result.step_id}", FAILED)
+
+    def _advance_beams(self, rs: RequestState) -> None:
+        """Every live beam reported: keep the best continuations (scheduler/beam_search.py). A beam that goes on
+        in several ways forks its sequence (its blocks shared, copy-on-write); one that does not is freed."""
+        params, reg, search = rs.req.params, self.reg, rs.beam
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(reg.eos_token_ids))
+        max_new = min(params.max_tokens, reg.max_model_len - len(rs.prompt))
+
+        def stop_reason(token: int, length: int) -> str | None:
+            if token in stops and length >= params.min_tokens:
+                return "stop"
+            return "length" if length >= max_new else None
+        num_eos = 0 if params.ignore_eos else len(reg.eos_token_ids)
+        going = search.step(rs.outputs, search.num_candidates(search.width, num_eos), max_new, stop_reason)
+        if search.done:
+            best = search.best(params.n)
+            self.finish(rs, best[0].finish_reason if best else "length", beams=best)
+            return
+        parents = {seq.sample_index: seq for seq in rs.seqs}
+        seqs = []
+        for index, c in enumerate(going):
+            parent = parents[c.parent]
+            if parent in seqs:
+                seq = Sequence(next(self.ids.seqs), index, parent.num_computed, fork_of=parent)
+                self.kv.fork(parent.seq_id, seq.seq_id, parent.num_computed)
+            else:
+                seq = parent
+                seq.sample_index = index
+                seq.appended.append(c.token)
+            seqs.append(seq)
+        for seq in parents.values():
+            if seq not in seqs:
+                self._drop(seq)
+        rs.outputs = [rs.outputs[c.parent] + [c.token] for c in going]
+        rs.reasons = [None] * len(going)
+        rs.seqs = seqs
 
     def _append_token(self, rs: RequestState, seq: Sequence, token_id: int) -> None:
         output = rs.outputs[seq.sample_index]
@@ -361,7 +416,8 @@ class WorkerScheduler:
             self.finish(rs, reason)
 
     # ---- ending ---------------------------------------------------------------------------
-    def finish(self, rs: RequestState, reason: str, error: str | None = None, error_kind: str | None = None) -> None:
+    def finish(self, rs: RequestState, reason: str, error: str | None = None, error_kind: str | None = None,
+               beams: list[Hypothesis] | None = None) -> None:
         """End the request here: free its blocks at once; its end is reported by pop_ended."""
         if rs.status is Status.FINISHED:
             return
@@ -370,7 +426,7 @@ class WorkerScheduler:
             if rs in queue:
                 queue.remove(rs)
         rs.status = Status.FINISHED
-        self.ended.append(FinishedRequest(rs.rid, reason, error, error_kind))
+        self.ended.append(FinishedRequest(rs.rid, reason, error, error_kind, beams))
 
     def pop_ended(self) -> list[FinishedRequest]:
         """Requests that ended here and that no plan in flight carries any more: the worker writes the tokens

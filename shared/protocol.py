@@ -22,6 +22,7 @@ PROTOCOL_VERSION = 2
 REJECTED = "rejected"  # the request can never be served as sent (e.g. longer than any worker's cache): 400
 UNAVAILABLE = "unavailable"  # no worker took it in time: 503, worth retrying
 FAILED = "failed"  # a worker failed while serving it: 500
+SCHEDULER_WRITER = ":scheduler"  # the writer of the tokens the scheduler writes itself (beam search results)
 MAX_MESSAGE_BYTES = 64 << 20
 _INT64 = (-(2**63), 2**63 - 1)
 
@@ -73,7 +74,9 @@ class NewSequence:
     """First sight of a sequence on a worker; later steps refer to it by `seq_id` alone.
 
     A request resumed by recompute arrives again as a new sequence whose prompt is unchanged and
-    whose `output_token_ids` holds what it had generated (penalties and seeds need the split).
+    whose `output_token_ids` holds what it had generated (penalties and seeds need the split). A beam
+    forked from another sequence names it in `fork_of` and carries no tokens: it starts with that
+    sequence's, as the worker holds them when the plan arrives.
     """
     seq_id: int
     rid: str
@@ -81,20 +84,24 @@ class NewSequence:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     params: SamplingParams
+    fork_of: int | None = None
 
 
 @dataclass(slots=True)
 class ScheduledSequence:
     """One sequence's share of a step: compute tokens [num_computed_tokens, +num_new_tokens).
 
-    The worker samples only when the chunk reaches the sequence's last token. Its block table grows
-    by `new_block_ids`, unless `block_table` is set, which replaces it (after swap-in or copy-on-write).
+    The worker samples only when the chunk reaches the sequence's last token (for a beam: it returns
+    its candidates instead, see BeamCandidates). Its block table grows by `new_block_ids`, unless
+    `block_table` is set, which replaces it (after swap-in or copy-on-write). `append_token_ids` are
+    tokens the scheduler chose for the sequence (a beam's next token), appended before the chunk runs.
     """
     seq_id: int
     num_computed_tokens: int
     num_new_tokens: int
     new_block_ids: list[int] = field(default_factory=list)
     block_table: list[int] | None = None
+    append_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -161,13 +168,22 @@ class Assignment:
 
 
 @dataclass(slots=True)
+class BeamCandidates:
+    """A beam's continuations after one step: its most likely next tokens, with their logprobs."""
+    seq_id: int
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass(slots=True)
 class StepResult:
-    """worker → scheduler (`results` stream): the tokens of one step, or the error that stopped it."""
+    """worker → scheduler (`results` stream): the tokens of one step (and its beams' candidates), or the
+    error that stopped it."""
     worker_id: str
     epoch: int
     step_id: int
     outputs: list[TokenOutput] = field(default_factory=list)
     error: str | None = None
+    beams: list[BeamCandidates] = field(default_factory=list)
 
 
 @dataclass(slots=True)

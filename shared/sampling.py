@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 MAX_N = 128
 MAX_LOGPROBS = 20
+MAX_BEAM_WIDTH = 16
 MAX_SEED = 2**63 - 1
 
 
@@ -34,6 +35,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None = none; k = the chosen token's logprob plus the top k
     prompt_logprobs: int | None = None  # None = none; k = each prompt token's logprob plus the top k
+    # Beam search (0 = sampling): this many beams, the n best returned, scored and stopped as transformers'
+    # beam search: cumulative logprob / generated length ** length_penalty; early_stopping True, False or "never".
+    beam_width: int = 0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     @property
     def greedy(self) -> bool:
@@ -63,6 +69,12 @@ class SamplingParams:
             _in_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
             _in_range("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        if self.beam_width:
+            _in_range("beam_width", self.beam_width, self.n, MAX_BEAM_WIDTH)
+            _in_range("length_penalty", self.length_penalty, -10.0, 10.0)
+            if self.early_stopping not in (True, False, "never"):
+                raise ParamError("early_stopping", f"early_stopping must be true, false or \"never\"; "
+                                                   f"got {self.early_stopping!r}")
         return self
 
 

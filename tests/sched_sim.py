@@ -6,10 +6,12 @@ hit, a lost copy-on-write, a bad swap or a stale block table shows up as a misma
 """
 from __future__ import annotations
 
+import math
+import random
 from dataclasses import dataclass, field
 from typing import Callable
 
-from shared.protocol import StepPlan, StepResult, TokenOutput, WorkerRegistration
+from shared.protocol import BeamCandidates, StepPlan, StepResult, TokenOutput, WorkerRegistration
 from shared.sampling import SamplingParams, finish_reason
 
 # (rid, sample_index, output_index) → token id
@@ -63,11 +65,16 @@ class SimWorker:
                 self.slots[dst * bs + k] = value
         for new in plan.new_sequences:
             assert new.seq_id not in self.seqs, "a NewSequence is sent once"
+            prompt = new.prompt_token_ids
+            if new.fork_of is not None:
+                parent = self.seqs[new.fork_of]
+                assert not prompt, "a fork takes its parent's prompt"
+                prompt = parent.tokens[:len(parent.tokens) - parent.num_outputs]
             self.seqs[new.seq_id] = SimSequence(new.rid, new.sample_index, new.params,
-                                                new.prompt_token_ids + new.output_token_ids,
-                                                len(new.output_token_ids))
+                                                prompt + new.output_token_ids, len(new.output_token_ids))
         written: set[int] = set()
         computed = []
+        beams: list[BeamCandidates] = []
         for sched in plan.scheduled:
             seq = self.seqs[sched.seq_id]
             if sched.block_table is not None:
@@ -76,6 +83,8 @@ class SimWorker:
                 seq.table.extend(sched.new_block_ids)
             if seq.finished:
                 continue
+            seq.tokens += sched.append_token_ids
+            seq.num_outputs += len(sched.append_token_ids)
             computed.append(sched)
             end = sched.num_computed_tokens + sched.num_new_tokens
             assert sched.num_new_tokens > 0 and end <= len(seq.tokens)
@@ -94,7 +103,9 @@ class SimWorker:
                 slot = seq.table[p // bs] * bs + p % bs
                 assert self.slots.get(slot) == tuple(seq.tokens[:p + 1]), \
                     f"seq {sched.seq_id} position {p}: the KV there is not its own"
-            if end == len(seq.tokens):
+            if end == len(seq.tokens) and seq.params.beam_width:
+                beams.append(BeamCandidates(sched.seq_id, self.candidates(seq)))
+            elif end == len(seq.tokens):
                 token = self.pick(seq.rid, seq.sample_index, seq.num_outputs)
                 seq.tokens.append(token)
                 seq.num_outputs += 1
@@ -103,7 +114,17 @@ class SimWorker:
                 seq.finished = reason is not None
                 outputs.append(TokenOutput(seq.rid, seq.sample_index, seq.num_outputs - 1, token,
                                            finish_reason=reason))
-        return StepResult(self.reg.worker_id, plan.epoch, plan.step_id, outputs)
+        return StepResult(self.reg.worker_id, plan.epoch, plan.step_id, outputs, beams=beams)
+
+    def candidates(self, seq: SimSequence) -> list[tuple[int, float]]:
+        """A beam's K best continuations under a made-up distribution that depends on its tokens alone."""
+        width = seq.params.beam_width
+        k = max(2, 1 + (0 if seq.params.ignore_eos else len(self.reg.eos_token_ids))) * width
+        rng = random.Random(hash(tuple(seq.tokens)))
+        logits = {t: rng.gauss(0.0, 2.0) for t in range(1, 40)}
+        norm = math.log(sum(math.exp(v) for v in logits.values()))
+        top = sorted(logits.items(), key=lambda item: -item[1])[:k]
+        return [(t, v - norm) for t, v in top]
 
 
 def drive(sched, sims: dict[str, SimWorker], outputs: dict[tuple[str, int], list[int]] | None = None,

@@ -540,3 +540,46 @@ def test_reserving_max_model_len_shrinks_the_batch(reserving, batch):
         drive(sched, sims, rounds=1)
         peak = max(peak, sched.stats(0.0).running)
     assert peak == batch and sched.num_preemptions == 0
+
+
+# ---- beam search ------------------------------------------------------------------------------
+def beam_request(rid: str, width: int, n: int, max_tokens: int = 12, prompt_len: int = 13, **params) -> Request:
+    return request(rid, prompt_len=prompt_len, max_tokens=max_tokens, n=n, beam_width=width, ignore_eos=True, **params)
+
+
+def test_beams_fork_on_shared_blocks_and_a_beam_that_dies_frees_its_own():
+    sched, sims = make(enable_prefix_caching=False)
+    sched.add_request(beam_request("b", width=3, n=2))
+    ws = sched.workers["w0"]
+    plans = drive(sched, sims, rounds=2)
+    assert len(plans[0].new_sequences) == 1, "one beam until the first step's candidates are ranked"
+    forks = [new for new in plans[1].new_sequences if new.fork_of is not None]
+    assert len(forks) == 2 and all(not f.prompt_token_ids for f in forks), "forks take their parent's prompt"
+    assert plans[1].copies and len(plans[1].scheduled) == 3, "each beam copies the shared last block it writes"
+    rs = sched.requests["b"]
+    tables = [ws.kv.block_ids(s.seq_id) for s in rs.seqs]
+    assert tables[0][0] == tables[1][0] == tables[2][0], "the prompt's full block is shared by every beam"
+    assert ws.kv.pool.blocks[tables[0][0]].ref_cnt == 3
+    peak = 0
+    while sched.has_unfinished():
+        drive(sched, sims, rounds=1)
+        peak = max(peak, used_blocks(sched))
+    assert peak <= 3 * 4, "beams that die give their blocks back as they go"
+    (done,) = sched.pop_finished()
+    assert done.finish_reason == "length" and len(done.beams) == 2 and used_blocks(sched) == 0
+    assert all(len(b.tokens) == 12 for b in done.beams) and done.beams[0].score >= done.beams[1].score
+    assert all(abs(b.score - sum(b.logprobs) / 12) < 1e-9 for b in done.beams), "length penalty 1: mean logprob"
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_preempted_beam_search_resumes_whole_and_ends_the_same(mode):
+    def run(num_blocks: int) -> tuple[list, int]:
+        sched, sims = make(num_blocks=num_blocks, num_swap=32, preemption_mode=mode, enable_prefix_caching=False)
+        sched.add_request(beam_request("b", width=4, n=4, max_tokens=20, prompt_len=20))
+        sched.add_request(request("x", prompt_len=20, max_tokens=20))
+        drive(sched, sims)
+        return {d.rid: d for d in sched.pop_finished()}, sched.num_preemptions
+    reference, calm = run(256)
+    squeezed, preemptions = run(14)
+    assert calm == 0 and preemptions > 0
+    assert [(b.tokens, b.score) for b in squeezed["b"].beams] == [(b.tokens, b.score) for b in reference["b"].beams]

@@ -27,7 +27,8 @@ MAX_DRAIN_STEPS = 5000  # rounds; slow configurations (one sequence a step) need
 
 worker_spec = st.tuples(st.integers(4, 10), st.integers(0, 20), st.integers(24, 80))
 request_spec = st.tuples(st.sampled_from(PREFIXES), st.lists(st.sampled_from(VOCAB), min_size=1, max_size=24),
-                         st.integers(1, 3), st.integers(1, 16), st.booleans(), st.sampled_from([[], [5]]))
+                         st.integers(1, 3), st.integers(1, 16), st.booleans(), st.sampled_from([[], [5]]),
+                         st.sampled_from([0, 0, 2, 3]))  # beam width (0: sampling)
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -72,12 +73,14 @@ class SchedulerMachine(RuleBasedStateMachine):
     # ---- rules ----------------------------------------------------------------------------
     @rule(batch=st.lists(request_spec, min_size=1, max_size=4))
     def arrive(self, batch):
-        for prefix, suffix, n, max_tokens, ignore_eos, stop in batch:
+        for prefix, suffix, n, max_tokens, ignore_eos, stop, width in batch:
             rid = f"r{next(self.ids)}"
-            params = SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=stop)
+            params = SamplingParams(n=min(n, width or n), max_tokens=max_tokens, ignore_eos=ignore_eos,
+                                    stop_token_ids=stop, beam_width=width)
             req = Request(rid, "model", prefix + suffix, params, 0.0)
             self.requests[rid] = req
-            self.record[rid] = [[] for _ in range(n)]
+            if not width:  # (beams are reordered every step: their tokens are checked at the end)
+                self.record[rid] = [[] for _ in range(n)]
             self.sched.add_request(req)
 
     @rule(data=st.data(), index=st.integers(0, 1))
@@ -97,8 +100,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert all(b.ref_cnt == 1 for b in table[first:end]), "a write into a shared block"
         for new in plan.new_sequences:
             req = self.requests[new.rid]
-            assert new.prompt_token_ids == req.prompt_token_ids
-            assert new.output_token_ids == self.record[new.rid][new.sample_index], "generated tokens are kept"
+            assert new.prompt_token_ids == req.prompt_token_ids or new.fork_of is not None
+            if new.rid in self.record:
+                assert new.output_token_ids == self.record[new.rid][new.sample_index], "generated tokens are kept"
         event(f"plan: copies={bool(plan.copies)} swap_out={bool(plan.swap_out)} swap_in={bool(plan.swap_in)}")
         event(f"plan: lookahead={in_flight > 0}")
         self.draw_token = lambda: data.draw(st.sampled_from([EOS] + VOCAB), label="token")
@@ -138,6 +142,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _sync_outputs(self) -> None:
         """Generated tokens only ever grow: preemption and worker loss keep them."""
         for rid, rs in self.sched.requests.items():
+            if rid not in self.record:
+                continue
             for i, out in enumerate(rs.outputs):
                 assert out[:len(self.record[rid][i])] == self.record[rid][i]
                 assert len(out) <= self.requests[rid].params.max_tokens
@@ -206,6 +212,12 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert "KV blocks" in done.error or "max_model_len" in done.error
             else:
                 assert done.finish_reason in ("stop", "length")
+            params = self.requests[done.rid].params
+            if params.beam_width and done.finish_reason != "error" and done.rid not in self.aborted:
+                assert done.beams and len(done.beams) <= params.n, "a beam search returns its best beams"
+                assert all(len(b.tokens) <= params.max_tokens for b in done.beams)
+                assert [b.score for b in done.beams] == sorted((b.score for b in done.beams), reverse=True)
+                event("finish: beam search")
 
     def teardown(self):
         if not hasattr(self, "sched"):
