@@ -18,9 +18,10 @@ class SequenceState:
     block_table: list[int] = field(default_factory=list)
 
     @classmethod
-    def from_message(cls, msg: NewSequence) -> "SequenceState":
-        return cls(msg.seq_id, msg.rid, msg.sample_index, msg.params,
-                   list(msg.prompt_token_ids) + list(msg.output_token_ids), len(msg.prompt_token_ids))
+    def from_message(cls, msg: NewSequence, prompt: list[int], params: SamplingParams) -> "SequenceState":
+        """`prompt`: the message's, or its parent's for a fork; `params`: as the worker runs it."""
+        return cls(msg.seq_id, msg.rid, msg.sample_index, params, list(prompt) + list(msg.output_token_ids),
+                   len(prompt))
 
     @property
     def prompt_token_ids(self) -> list[int]:

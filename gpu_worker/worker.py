@@ -12,14 +12,15 @@ before the scheduler knew.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Protocol
 
 from gpu_worker.sampler import SampledToken
 from gpu_worker.sequence import SequenceState
 from shared import model_dir as model_dirs
-from shared.protocol import ScheduledSequence, StepPlan, StepResult, TokenOutput, WorkerRegistration
-from shared.sampling import finish_reason
+from shared.protocol import BeamCandidates, ScheduledSequence, StepPlan, StepResult, TokenOutput, WorkerRegistration
+from shared.sampling import SamplingParams, finish_reason
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,8 @@ class Worker:
         cache.copy(plan.copies)
         for msg in plan.new_sequences:
             if msg.seq_id not in failed:
-                self.seqs[msg.seq_id] = SequenceState.from_message(msg)
+                prompt = msg.prompt_token_ids if msg.fork_of is None else self.seqs[msg.fork_of].prompt_token_ids
+                self.seqs[msg.seq_id] = SequenceState.from_message(msg, prompt, self._run_params(msg.params))
                 self.ended.discard(msg.seq_id)  # an id named by a refused plan that never registered it
         self.ended.update(failed)
         chunks = []
@@ -105,6 +107,7 @@ class Worker:
             if item.seq_id in self.ended:
                 continue
             seq = self.seqs[item.seq_id]
+            seq.token_ids += item.append_token_ids
             if item.block_table is not None:
                 seq.block_table = list(item.block_table)
             else:
@@ -116,7 +119,11 @@ class Worker:
             self.ended.update(self._step_seq_ids(plan))
             raise
         outputs = refusals
+        beams = []
         for seq, sampled in sampled_tokens:
+            if seq.params.beam_width:  # the scheduler ranks the beams' candidates and chooses
+                beams.append(BeamCandidates(seq.seq_id, sampled.top_logprobs))
+                continue
             output_index = seq.num_output_tokens
             seq.token_ids.append(sampled.token_id)
             reason = finish_reason(seq.params, seq.output_token_ids, len(seq.token_ids), reg.max_model_len,
@@ -125,7 +132,17 @@ class Worker:
                 self.ended.add(seq.seq_id)
             outputs.append(TokenOutput(seq.rid, seq.sample_index, output_index, sampled.token_id, sampled.logprob,
                                        sampled.top_logprobs, reason, worker_id=reg.worker_id, epoch=plan.epoch))
-        return StepResult(reg.worker_id, plan.epoch, plan.step_id, outputs)
+        return StepResult(reg.worker_id, plan.epoch, plan.step_id, outputs, beams=beams)
+
+    def _run_params(self, params: SamplingParams) -> SamplingParams:
+        """A beam's next-token candidates are the most likely tokens of the model's distribution (as in
+        transformers' beam search): K of them (see scheduler/beam_search.py), plus one per stop token, which the
+        scheduler drops while min_tokens forbids them."""
+        if not params.beam_width:
+            return params
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        eos = 0 if params.ignore_eos else len(self.eos_token_ids)
+        return dataclasses.replace(params, temperature=0.0, logprobs=max(2, 1 + eos) * params.beam_width + len(stops))
 
     def _refusals(self, plan: StepPlan, failed: dict[int, str]) -> list[TokenOutput]:
         """One failure entry per request with a sequence the plan cannot run (the scheduler fails that request;
@@ -171,19 +188,24 @@ class Worker:
         _check_pairs("copies", plan.copies, (1, reg.num_blocks), (1, reg.num_blocks))
         failed: dict[int, str] = {}
         lengths: dict[int, int] = {}
+        prompts: dict[int, int] = {}  # prompt lengths of the sequences this plan registers
         for msg in plan.new_sequences:
             if msg.seq_id in live:
                 raise PlanError(f"new sequence {msg.seq_id} is already known")
-            tokens = [*msg.prompt_token_ids, *msg.output_token_ids]
-            bad = [t for t in tokens if not 0 <= t < self.vocab_size]
-            if not msg.prompt_token_ids:
+            bad = [t for t in [*msg.prompt_token_ids, *msg.output_token_ids] if not 0 <= t < self.vocab_size]
+            if msg.fork_of is not None and msg.fork_of not in live:
+                failed[msg.seq_id] = f"new sequence {msg.seq_id} forks sequence {msg.fork_of}, which is unknown"
+            elif msg.fork_of is None and not msg.prompt_token_ids:
                 failed[msg.seq_id] = f"new sequence {msg.seq_id} has an empty prompt"
             elif bad:
                 failed[msg.seq_id] = (f"new sequence {msg.seq_id} has token ids outside the vocabulary "
                                       f"(0..{self.vocab_size - 1}): {bad[:4]}")
             else:
                 live.add(msg.seq_id)
-                lengths[msg.seq_id] = len(tokens)
+                parent = msg.fork_of
+                prompts[msg.seq_id] = (len(msg.prompt_token_ids) if parent is None else
+                                       prompts[parent] if parent in prompts else self.seqs[parent].num_prompt_tokens)
+                lengths[msg.seq_id] = prompts[msg.seq_id] + len(msg.output_token_ids)
         seen = set()
         ended = (self.ended - set(plan.finished) - {m.seq_id for m in plan.new_sequences}
                  if plan.epoch == self.epoch else set())
@@ -205,8 +227,10 @@ class Worker:
             return f"sequence {sid} is scheduled but unknown (never sent or already finished)"
         if again:
             return f"sequence {sid} is scheduled twice"
-        length = new_length if new_length is not None else len(self.seqs[sid].token_ids)
+        length = (new_length if new_length is not None else len(self.seqs[sid].token_ids)) + len(item.append_token_ids)
         end = item.num_computed_tokens + item.num_new_tokens
+        if any(not 0 <= t < self.vocab_size for t in item.append_token_ids):
+            return f"sequence {sid} is given token ids outside the vocabulary (0..{self.vocab_size - 1})"
         if item.num_computed_tokens < 0 or item.num_new_tokens < 1 or end > length:
             return f"sequence {sid} of {length} tokens cannot compute tokens [{item.num_computed_tokens}, {end})"
         if end > reg.max_model_len:

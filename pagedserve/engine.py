@@ -96,6 +96,9 @@ class Engine:
         for done in finished:
             completion = self.completions[done.rid]
             completion.error = done.error
+            for sample, beam in zip(completion.samples, done.beams or ()):  # a beam search's results
+                sample.token_ids, sample.logprobs = list(beam.tokens), list(beam.logprobs)
+                sample.finish_reason = beam.finish_reason
             for sample in completion.samples:
                 sample.finish_reason = sample.finish_reason or done.finish_reason
         return len(finished)

@@ -373,9 +373,10 @@ class WorkerScheduler:
         max_new = min(params.max_tokens, reg.max_model_len - len(rs.prompt))
 
         def stop_reason(token: int, length: int) -> str | None:
-            if token in stops and length >= params.min_tokens:
-                return "stop"
-            return "length" if length >= max_new else None
+            return "stop" if token in stops else "length" if length >= max_new else None
+        if search.num_generated + 1 < params.min_tokens:  # stop tokens are not candidates yet (the worker sent
+            # one more candidate per stop token for this)
+            search.reported = {b: [(t, lp) for t, lp in top if t not in stops] for b, top in search.reported.items()}
         num_eos = 0 if params.ignore_eos else len(reg.eos_token_ids)
         going = search.step(rs.outputs, search.num_candidates(search.width, num_eos), max_new, stop_reason)
         if search.done:
