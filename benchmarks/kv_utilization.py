@@ -43,6 +43,7 @@ class Job:
     output_len: int
     arrival: float
     n: int = 1
+    beam_width: int = 0
 
     @property
     def final_kv(self) -> int:
@@ -104,7 +105,8 @@ def run_paged(jobs: list[Job], cfg: Config, *, caching: bool = False, reserving:
     while pending or sched.has_unfinished():
         while pending and pending[0].arrival <= step:
             job = pending.pop(0)
-            params = SamplingParams(n=job.n, max_tokens=job.output_len, ignore_eos=True, temperature=0.0)
+            params = SamplingParams(n=job.n, max_tokens=job.output_len, ignore_eos=True, temperature=0.0,
+                                    beam_width=job.beam_width)
             sched.add_request(Request(job.rid, "bench", job.prompt, params, job.arrival))
         plan = sched.schedule("w0")
         if plan is not None:
@@ -225,6 +227,10 @@ def utilization_table(name: str, jobs: list[Job], cfg: Config) -> None:
               f"{100 * mean(t.internal) / cap:>10.1f}% | {100 * mean(t.external) / cap:>10.1f}%")
 
 
+# The vLLM paper's Figure 15 (OPT-13B): memory saved by sharing, over parallel sampling and beam widths 2-6.
+PAPER_SAVINGS = {"sharegpt": ("16.2-30.5%", "44.3-66.3%"), "alpaca": ("6.1-9.8%", "37.6-55.2%")}
+
+
 def sharing_table(name: str, jobs: list[Job], cfg: Config, system_prompt: list[int]) -> None:
     print(f"\n{name}: memory saved by sharing (paged; means over steps with a request waiting)")
     head = f"{'workload':<42} | {'batch':>6} | {'blocks held':>11} | {'unshared':>8} | {'saved':>6}"
@@ -237,10 +243,15 @@ def sharing_table(name: str, jobs: list[Job], cfg: Config, system_prompt: list[i
         print(f"{label:<42} | {mean(tally.batch) / unit:>6.1f} | {held:>11.1f} | {logical:>8.1f} | "
               f"{100 * (1 - held / logical) if logical else 0.0:>5.1f}%")
 
-    forked = [Job(j.rid, j.prompt, j.output_len, j.arrival, n=4) for j in jobs]
+    paper = PAPER_SAVINGS[name]
+    for n in (2, 4, 6):
+        forked = [Job(j.rid, j.prompt, j.output_len, j.arrival, n=n) for j in jobs]
+        row(f"parallel sampling n={n} (paper: {paper[0]})", run_paged(forked, cfg))
     apart = [Job(f"{j.rid}.{k}", j.prompt, j.output_len, j.arrival) for j in jobs for k in range(4)]
-    row("n=4, samples share the prompt (CoW)", run_paged(forked, cfg))
     row("n=4 as 4 requests, no sharing", run_paged(apart, cfg))
+    for width in (2, 4, 6):
+        beams = [Job(j.rid, j.prompt, j.output_len, j.arrival, beam_width=width) for j in jobs]
+        row(f"beam search width {width} (paper: {paper[1]})", run_paged(beams, cfg))
     budget = cfg.max_model_len - len(system_prompt)
     prefixed = []
     for j in jobs:  # keep system prompt + prompt + output within max_model_len
