@@ -86,6 +86,7 @@ class BlockPool:
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, tokens found cached
         self.evictions = 0
+        self.num_shared = 0  # blocks with more than one reference
 
     @property
     def num_free(self) -> int:
@@ -103,6 +104,8 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
+            elif block.ref_cnt == 1:
+                self.num_shared += 1
             block.ref_cnt += 1
 
     def allocate(self, num: int) -> list[Block]:
@@ -125,7 +128,9 @@ class BlockPool:
         to the head of the queue, to be reused first."""
         for block in blocks:
             block.ref_cnt -= 1
-            if block.ref_cnt == 0:
+            if block.ref_cnt == 1:
+                self.num_shared -= 1
+            elif block.ref_cnt == 0:
                 if block.block_hash is None:
                     self.free_queue.appendleft(block)
                 else:

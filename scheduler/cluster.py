@@ -288,7 +288,8 @@ class Cluster:
 
     def stats(self, now: float) -> SchedulerStats:
         workers = [WorkerStats(wid, ws.kv.pool.num_usable, ws.kv.num_free, ws.num_running_seqs,
-                               ws.kv.pool.prefix_queries, ws.kv.pool.prefix_hits)
+                               ws.kv.pool.prefix_queries, ws.kv.pool.prefix_hits, ws.kv.pool.num_shared, ws.num_steps,
+                               ws.kv.num_forks, ws.kv.num_copies)
                    for wid, ws in self.workers.items()]
         return SchedulerStats(
             time=now,

@@ -81,6 +81,8 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.seqs: dict[int, SeqBlocks] = {}  # seq id → device table
         self.swapped: dict[int, SeqBlocks] = {}  # seq id → swap table
+        self.num_forks = 0
+        self.num_copies = 0
 
     @property
     def num_free(self) -> int:
@@ -149,6 +151,7 @@ class KVCacheManager:
                     (fresh,) = self.pool.allocate(1)
                     slots.copies.append((block.block_id, fresh.block_id))
                     slots.rewritten.add(seq_id)
+                    self.num_copies += 1
                     self.pool.free([block])
                     table[i] = fresh
             grow = end_block - len(table)
@@ -196,6 +199,7 @@ class KVCacheManager:
     def fork(self, parent_id: int, child_id: int, num_tokens: int) -> None:
         """The child shares the parent's blocks that hold its first `num_tokens` tokens."""
         parent = self.seqs[parent_id]
+        self.num_forks += 1
         shared = parent.table[:cdiv(num_tokens, self.block_size)]
         self.pool.touch(shared)
         full = num_tokens // self.block_size

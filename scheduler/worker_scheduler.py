@@ -88,6 +88,7 @@ class WorkerScheduler:
         self.to_forget: list[int] = []  # seq ids the worker may forget: the next plan's `finished`
         self.ended: list[FinishedRequest] = []  # see pop_ended
         self.num_preemptions = 0
+        self.num_steps = 0
 
     @property
     def worker_id(self) -> str:
@@ -128,6 +129,7 @@ class WorkerScheduler:
             return None
         plan.finished, self.to_forget = self.to_forget, []
         self.in_flight.append(InFlight(plan.step_id, step.chunks))
+        self.num_steps += 1
         return plan
 
     def _schedule_running(self, rs: RequestState, step: StepBuilder, admitting: bool = False) -> None:

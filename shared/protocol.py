@@ -194,6 +194,10 @@ class WorkerStats:
     running: int  # sequences
     prefix_queries: int  # prompt tokens looked up in the prefix cache
     prefix_hits: int  # of those, tokens found cached
+    shared_blocks: int = 0  # blocks held by more than one sequence now
+    steps: int = 0  # plans sent, since start
+    forks: int = 0  # sequences forked from another (n > 1, beams), since start
+    copies: int = 0  # copy-on-write block copies, since start
 
 
 @dataclass(slots=True)

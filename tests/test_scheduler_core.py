@@ -560,6 +560,8 @@ def test_beams_fork_on_shared_blocks_and_a_beam_that_dies_frees_its_own():
     tables = [ws.kv.block_ids(s.seq_id) for s in rs.seqs]
     assert tables[0][0] == tables[1][0] == tables[2][0], "the prompt's full block is shared by every beam"
     assert ws.kv.pool.blocks[tables[0][0]].ref_cnt == 3
+    stats = sched.stats(0.0).workers[0]
+    assert stats.forks >= 2 and stats.copies >= len(plans[1].copies) and stats.steps == 2 and stats.shared_blocks >= 1
     peak = 0
     while sched.has_unfinished():
         drive(sched, sims, rounds=1)

@@ -183,6 +183,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                     assert block.ref_cnt == holders[block.block_id], "ref count = tables holding it"
                     assert (block.ref_cnt == 0) == block.is_free, "free xor in use"
                 assert pool.num_free + len(holders) == pool.num_usable, "free + in use = total"
+                assert pool.num_shared == sum(n > 1 for n in holders.values()), "shared blocks are counted"
             running = {s.seq_id for rs in ws.running for s in rs.seqs}
             swapped = {s.seq_id for rs in ws.preempted if rs.status is Status.SWAPPED for s in rs.seqs}
             assert set(ws.kv.seqs) == running and set(ws.kv.swapped) == swapped, "no table without an owner"
