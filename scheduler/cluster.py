@@ -18,8 +18,8 @@ from scheduler.request import FinishedRequest, RequestState, Status
 from scheduler.worker_scheduler import ORDER, Ids, LookaheadScheduler, WorkerScheduler
 from shared.out_stream import OutOfOrder, OutputFold
 from shared.protocol import (
-    REJECTED, SCHEDULER_WRITER, UNAVAILABLE, Assignment, Request, SchedulerStats, StepPlan, StepResult, TokenOutput,
-    WorkerRegistration, WorkerStats,
+    REJECTED, SCHEDULER_WRITER, UNAVAILABLE, Assignment, ProtocolError, Request, SchedulerStats, StepPlan,
+    StepResult, TokenOutput, WorkerRegistration, WorkerStats, decode,
 )
 from shared.sampling import finish_reason
 from shared.settings import Settings
@@ -34,7 +34,8 @@ class WorkerChanges:
 
 
 class Cluster:
-    def __init__(self, settings: Settings, epoch: int = 0, worker_scheduler: type[WorkerScheduler] | None = None) -> None:
+    def __init__(self, settings: Settings, epoch: int = 0,
+                 worker_scheduler: type[WorkerScheduler] | None = None) -> None:
         self.settings = settings
         self.epoch = epoch
         self.worker_scheduler = worker_scheduler or (LookaheadScheduler if settings.async_scheduling
@@ -99,6 +100,22 @@ class Cluster:
             rs.status = Status.WAITING
             rs.worker_id = None
             self._place(rs)
+
+    def sync_registry(self, registry: list[tuple[str, bytes, bool]]) -> WorkerChanges:
+        """`sync_workers` from the registry as Redis holds it: (worker id, encoded registration, heartbeat alive);
+        a registration that does not decode is refused."""
+        live, refused = {}, []
+        for worker_id, payload, alive in registry:
+            try:
+                reg = decode(payload, WorkerRegistration)
+            except ProtocolError as e:
+                refused.append((worker_id, f"malformed: {e}"))
+                continue
+            if alive:
+                live[worker_id] = reg
+        changes = self.sync_workers(live)
+        changes.refused += refused
+        return changes
 
     def sync_workers(self, live: dict[str, WorkerRegistration]) -> WorkerChanges:
         """Follow the workers whose heartbeat is alive: add the new (or restarted) ones, drop the rest. A

@@ -9,7 +9,7 @@ import enum
 from dataclasses import dataclass, field
 
 from scheduler.beam_search import BeamSearch, Hypothesis
-from shared.protocol import Request
+from shared.protocol import SCHEDULER_WRITER, Assignment, Request, TokenOutput
 
 
 class Status(enum.Enum):
@@ -28,6 +28,20 @@ class FinishedRequest:
     error: str | None = None  # set for rejected/failed requests: a clear message for the client
     error_kind: str | None = None  # REJECTED, UNAVAILABLE or FAILED, with `error`
     beams: list[Hypothesis] | None = None  # a beam search's n best beams, which the scheduler writes itself
+
+    def stream_entries(self, epoch: int) -> list[Assignment | TokenOutput]:
+        """What the scheduler writes on the request's stream: a beam search's results, as their writer, then the
+        request-level end (the gateway ends every sample the workers did not finish with its reason)."""
+        entries: list[Assignment | TokenOutput] = []
+        if self.beams is not None:
+            entries.append(Assignment(self.rid, SCHEDULER_WRITER, epoch))
+            entries += [TokenOutput(self.rid, i, k, token, beam.logprobs[k],
+                                    finish_reason=beam.finish_reason if k == len(beam.tokens) - 1 else None,
+                                    worker_id=SCHEDULER_WRITER, epoch=epoch)
+                        for i, beam in enumerate(self.beams) for k, token in enumerate(beam.tokens)]
+        entries.append(TokenOutput(self.rid, -1, 0, -1, finish_reason=self.finish_reason, error=self.error,
+                                   error_kind=self.error_kind))
+        return entries
 
 
 @dataclass(slots=True, eq=False)

@@ -28,10 +28,7 @@ from shared.bus import (
 )
 from shared.keys import FIELD, PLANS_MAXLEN, Keys
 from shared.log import setup_logging
-from shared.protocol import (
-    SCHEDULER_WRITER, Abort, Assignment, ProtocolError, Request, StepResult, TokenOutput, WorkerGone, WorkerRegistration, decode,
-    encode,
-)
+from shared.protocol import Abort, Assignment, Request, StepResult, TokenOutput, WorkerGone, encode
 from shared.settings import Settings
 
 log = logging.getLogger("scheduler")
@@ -208,21 +205,9 @@ class SchedulerService:
 
     def _end(self, done: FinishedRequest) -> list[Command]:
         key = self.keys.out(done.rid)
-        commands: list[Command] = []
-        if done.beams is not None:  # a beam search's results: the scheduler writes them as their writer
-            epoch = self.cluster.epoch
-            entries = [Assignment(done.rid, SCHEDULER_WRITER, epoch)] + [
-                TokenOutput(done.rid, i, k, token, beam.logprobs[k],
-                            finish_reason=beam.finish_reason if k == len(beam.tokens) - 1 else None,
-                            worker_id=SCHEDULER_WRITER, epoch=epoch)
-                for i, beam in enumerate(done.beams) for k, token in enumerate(beam.tokens)]
-            commands += [("xadd", (key, {FIELD: encode(entry)}), {}) for entry in entries]
-        # The request-level end: the gateway ends every sample the workers did not finish (an error,
-        # an abort, a request that outgrew the cache) with this reason.
-        end = TokenOutput(done.rid, -1, 0, -1, finish_reason=done.finish_reason, error=done.error,
-                          error_kind=done.error_kind)
-        commands += [("xadd", (key, {FIELD: encode(end)}), {}),
-                     ("pexpire", (key, int(self.settings.out_stream_ttl * 1000)), {})]
+        commands: list[Command] = [("xadd", (key, {FIELD: encode(entry)}), {})
+                                   for entry in done.stream_entries(self.cluster.epoch)]
+        commands.append(("pexpire", (key, int(self.settings.out_stream_ttl * 1000)), {}))
         entry_id = self.entry_ids.pop(done.rid, None)
         if entry_id is not None:
             commands.append(("xack", (self.keys.requests, self.keys.scheduler_group, entry_id), {}))
@@ -231,25 +216,14 @@ class SchedulerService:
 
     async def _sync_workers(self) -> None:
         """Follow the registered workers whose heartbeat is alive; clear the registry of the others."""
-        live: dict[str, WorkerRegistration] = {}
-        forget = []
-        for worker_id, payload, alive in read_registry(await self.client.eval(*registry_query(self.keys))):
-            try:
-                reg = decode(payload, WorkerRegistration)
-            except ProtocolError as e:
-                log.warning("dropped malformed registration of %s: %s", worker_id, e)
-                forget.append(worker_id)
-                continue
-            if alive:
-                live[worker_id] = reg
-        changes = self.cluster.sync_workers(live)
+        changes = self.cluster.sync_registry(read_registry(await self.client.eval(*registry_query(self.keys))))
         for reg in changes.joined:
             log.info("worker %s joined: %d blocks of %d tokens", reg.worker_id, reg.num_blocks, reg.block_size)
         for worker_id in changes.gone:
             log.warning("worker %s is gone (heartbeat expired); resuming its requests elsewhere", worker_id)
         for worker_id, why in changes.refused:
-            log.warning("dropped unusable registration: %s", why)
-        forget += changes.gone + [w for w, _ in changes.refused]
+            log.warning("dropped the registration of %s: %s", worker_id, why)
+        forget = changes.gone + [w for w, _ in changes.refused]
         if forget:
             await self.client.hdel(self.keys.workers, *forget)
 

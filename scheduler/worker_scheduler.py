@@ -179,7 +179,9 @@ class WorkerScheduler:
         for seq, num_new, emits in chunks:
             start = seq.num_computed
             if not seq.sent:
-                parent = seq.fork_of if seq.fork_of is not None and seq.fork_of.sent and seq.fork_of in rs.seqs else None
+                parent = seq.fork_of  # while it lives on the worker, the prompt comes from there
+                if parent is not None and not (parent.sent and parent in rs.seqs):
+                    parent = None
                 plan.new_sequences.append(NewSequence(
                     seq.seq_id, rs.rid, seq.sample_index, list(rs.prompt) if parent is None else [],
                     list(rs.outputs[seq.sample_index]), rs.req.params, None if parent is None else parent.seq_id))
@@ -350,7 +352,8 @@ class WorkerScheduler:
                     self.finish(rs, "error", out.error or "the worker failed the request", FAILED)
                 continue
             c = emitting.pop((out.rid, out.sample_index), None)
-            if c is None or c.rs.status is not Status.RUNNING or out.output_index != len(c.rs.outputs[out.sample_index]):
+            if (c is None or c.rs.status is not Status.RUNNING
+                    or out.output_index != len(c.rs.outputs[out.sample_index])):
                 continue
             self._token_arrived(c.seq)
             self._append_token(c.rs, c.seq, out.token_id)
