@@ -5,6 +5,7 @@ chat (whole and streamed), stop strings and aborts, failures, disconnects, and a
 from __future__ import annotations
 
 import asyncio
+import codecs
 import dataclasses
 import json
 import shutil
@@ -27,8 +28,8 @@ from gateway.app import create_app
 from gateway.model import ServedModel
 from shared.keys import FIELD, Keys
 from shared.protocol import (
-    FAILED, REJECTED, UNAVAILABLE, Abort, Assignment, Request, SchedulerStats, TokenOutput, WorkerRegistration, WorkerStats,
-    decode, encode,
+    FAILED, REJECTED, UNAVAILABLE, Abort, Assignment, PromptLogprob, Request, SchedulerStats, TokenOutput,
+    WorkerRegistration, WorkerStats, decode, encode,
 )
 from shared.settings import Settings
 
@@ -141,9 +142,29 @@ def tokens(model: ServedModel, text: str) -> list[int]:
     return model.tokenizer.hf(text, add_special_tokens=False)["input_ids"]
 
 
+def prompt_logprobs_of(req: Request) -> list[PromptLogprob] | None:
+    """What a worker would say of the prompt, made up but regular: prompt token j has logprob -j/8, and is
+    the likeliest at odd j (rank 1) and second to token 9 at even j (rank 2); the top holds k tokens."""
+    k = req.params.prompt_logprobs
+    if k is None:
+        return None
+    out = []
+    for j, t in enumerate(req.prompt_token_ids[1:], 1):
+        lp = -j / 8
+        rivals = [(u, lp - 1 - m) for m, u in enumerate(u for u in (7, 8, 9, 10, 11) if u != t)]
+        top = [(t, lp)] + rivals if j % 2 else [(9 if t != 9 else 10, lp + 0.5), (t, lp)] + rivals
+        out.append(PromptLogprob(lp, 1 if j % 2 else 2, top[:k]))
+    return out
+
+
+def cached_tokens_of(req: Request) -> int:
+    return len(req.prompt_token_ids) // 2
+
+
 def answer(model: ServedModel, texts: list[str], finish: str | None = "length", error: str | None = None,
            error_kind: str = FAILED) -> Script:
-    """Sample i streams the tokens of texts[i % len(texts)]; `finish` None leaves it running on the bus."""
+    """Sample i streams the tokens of texts[i % len(texts)]; `finish` None leaves it running on the bus. Each
+    sample's first token carries the prompt's cached tokens and, when asked for, its logprobs."""
     def script(req: Request) -> list[TokenOutput]:
         outs = []
         for s in range(req.params.n if texts else 0):
@@ -152,12 +173,19 @@ def answer(model: ServedModel, texts: list[str], finish: str | None = "length", 
             ids = ids[:req.params.max_tokens]
             for i, t in enumerate(ids):
                 end = ("length" if cut else finish) if i == len(ids) - 1 else None
+                first = dict(num_cached_tokens=cached_tokens_of(req), prompt_logprobs=prompt_logprobs_of(req))
                 outs.append(TokenOutput(req.rid, s, i, t, logprob=-0.25 * (i + 1),
-                                        top_logprobs=[(t, -0.25 * (i + 1)), (7, -3.0)], finish_reason=end))
+                                        top_logprobs=[(t, -0.25 * (i + 1)), (7, -3.0)], finish_reason=end,
+                                        **(first if i == 0 else {})))
         if error is not None:
             outs.append(TokenOutput(req.rid, -1, 0, 0, finish_reason="error", error=error, error_kind=error_kind))
         return outs
     return script
+
+
+def bytes_of(token: str) -> bytes:
+    """A logprob token's bytes: its text, or after vLLM's `bytes:` its text with \\xNN escapes for raw bytes."""
+    return codecs.escape_decode(token.removeprefix("bytes:").encode())[0] if token.startswith("bytes:") else token.encode()
 
 
 def aborts(url: str) -> list[Abort]:
@@ -212,7 +240,12 @@ INVALID = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2 ** 70}, 400, "max_tokens", "64-bit"),
     ("/v1/completions", {"prompt": "hi", "seed": -1}, 400, "seed", "seed"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs", "[0, 20]"),
-    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "logprobs", "echo"),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs", "[0, 20]"),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs", "stream"),
+    ("/v1/completions", {"prompt": "a\ud800b"}, 400, "prompt", "lone surrogate (U+D800)"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["ok", "\udfff"]}, 400, "stop", "lone surrogate"),
+    ("/v1/completions", {"prompt": ["hi"] * 1100, "n": 128, "max_tokens": 64}, 400, None, "max_call_tokens"),
+    ("/v1/completions", {"prompt": [[5]] * 1025}, 400, "prompt", "max_waiting_requests"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty", "[-2.0, 2.0]"),
     ("/v1/completions", {"prompt": "hi", "frequency_penalty": -3}, 400, "frequency_penalty", "[-2.0, 2.0]"),
     ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty", "(0, 2]"),
@@ -236,6 +269,17 @@ INVALID = [
     ("/v1/chat/completions", {"messages": HI, "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
     ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
     ("/v1/chat/completions", {"messages": HI, "model": 7}, 400, "model", "string"),
+    ("/v1/chat/completions", {"messages": HI, "prompt_logprobs": 2, "stream": True}, 400, "prompt_logprobs", "stream"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages", "surrogate"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a\udbff"}]}]},
+     400, "messages", "surrogate"),
+    ("/tokenize", {}, 400, "prompt", "required"),
+    ("/tokenize", {"prompt": "\ud800"}, 400, "prompt", "surrogate"),
+    ("/tokenize", {"model": "gpt-9", "prompt": "x"}, 404, "model", "gpt-9"),
+    ("/tokenize", {"messages": "hi"}, 400, "messages", "array"),
+    ("/detokenize", {"tokens": [1, 99999]}, 400, "tokens", "99999"),
+    ("/detokenize", {"tokens": "1 2"}, 400, "tokens", "array"),
+    ("/detokenize", b"[", 400, None, "not valid JSON"),
 ]
 
 
@@ -275,15 +319,19 @@ def test_a_model_without_chat_template_gets_a_clear_400(base, tiny_model_dir, tm
         check_error(gw.post("/v1/completions", json={"prompt": "hi", "n": 0}), 400, "n")
 
 
-def test_api_key_guards_the_v1_routes_only(base, model):
+def test_api_key_guards_every_route_but_health_and_metrics(base, model):
     with LiveGateway(base.replace(api_key="sekret"), model) as gw:
         check_error(gw.get("/v1/models"), 401, None, "API key")
         check_error(gw.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401, None)
         check_error(gw.post("/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "sekret"}),
                     401, None)
+        check_error(gw.post("/tokenize", json={"prompt": "hi"}), 401, None)
+        check_error(gw.get("/tokenizer_info"), 401, None)
         ok = gw.get("/v1/models", headers={"Authorization": "Bearer sekret"})
         assert ok.status == 200 and ok.json()["data"][0]["id"] == model.name
         assert ok.json()["data"][0]["max_model_len"] == model.max_model_len
+        assert ok.json()["data"][0]["root"] == model.name, "the model id, not a path on the server"
+        assert gw.post("/tokenize", json={"prompt": "hi"}, headers={"Authorization": "Bearer sekret"}).status == 200
         assert gw.get("/health").status == 503  # health and metrics need no key
         assert gw.get("/metrics").status == 200
 
@@ -363,13 +411,14 @@ def test_completion_whole_and_streamed_with_usage_logprobs_and_params(base, mode
     (choice,) = whole["choices"]
     assert choice["text"] == text and choice["finish_reason"] == "length" and choice["index"] == 0
     assert whole["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": n_tokens,
-                              "total_tokens": len(prompt_ids) + n_tokens}
+                              "total_tokens": len(prompt_ids) + n_tokens,
+                              "prompt_tokens_details": {"cached_tokens": len(prompt_ids) // 2}}
     lp = choice["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n_tokens
     assert lp["token_logprobs"] == [-0.25 * (i + 1) for i in range(n_tokens)]
     assert all(top[tok] == val for tok, val, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]))
     assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
-    assert model.tokenizer.decode(tokens(model, text)) == "".join(lp["tokens"]) or "\ufffd" in "".join(lp["tokens"])
+    assert b"".join(map(bytes_of, lp["tokens"])) == text.encode(), "the tokens spell the text, byte for byte"
 
     assert streamed.status == 200 and streamed.headers["content-type"] == "text/event-stream"
     events = sse_events(streamed.text)
@@ -395,9 +444,11 @@ def test_several_prompts_with_n_and_echo_give_one_choice_per_prompt_and_sample(b
     assert [c["index"] for c in resp["choices"]] == [0, 1, 2, 3]
     assert [c["text"] for c in resp["choices"]] == [echoed[i // 2] + texts[i % 2] for i in range(4)]
     generated = 2 * sum(len(tokens(model, t)) for t in texts)
-    prompt_tokens = len(model.tokenizer.encode("Alpha")) + 3
+    alpha = len(model.tokenizer.encode("Alpha"))
+    prompt_tokens = alpha + 3
     assert resp["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
-                             "total_tokens": prompt_tokens + generated}
+                             "total_tokens": prompt_tokens + generated,
+                             "prompt_tokens_details": {"cached_tokens": alpha // 2 + 3 // 2}}, "summed over prompts"
     assert rids[:2] == [f"{resp['id']}-0", f"{resp['id']}-1"]
     by_index = ["", "", "", ""]
     for event in sse_events(streamed.text)[:-1]:
@@ -510,20 +561,28 @@ def test_the_streams_of_many_requests_are_read_on_one_connection(base, model, re
         wait_until(lambda: len(aborts(redis_url)) == 20, "every stream's abort")
 
 
-def test_backpressure_answers_429_with_retry_after(base, model, redis_url):
+def test_backpressure_answers_429_with_retry_after_spread_by_jitter(base, model, redis_url):
     r = redis.Redis.from_url(redis_url)
     with LiveGateway(base.replace(max_waiting_requests=2), model) as gw:  # no driver: requests stay waiting
         hanging = [asyncio.run_coroutine_threadsafe(gw.request("POST", "/v1/completions", {"prompt": "hi"},
                                                                timeout=5), gw.loop) for _ in range(2)]
         wait_until(lambda: r.xlen(KEYS.requests) == 2, "two waiting requests")
-        resp = gw.post("/v1/completions", json={"prompt": "hi"})
-        error = check_error(resp, 429, None, "2 requests are waiting", "limit is 2")
-        assert resp.headers["Retry-After"] == "1" and error["type"] == "rate_limit_error"
+        turned_away = [gw.post("/v1/completions", json={"prompt": "hi"}) for _ in range(20)]
         for future in hanging:
             with pytest.raises(asyncio.TimeoutError):
                 future.result(30)
         wait_until(lambda: len(aborts(redis_url)) == 2, "aborts of the two abandoned requests")
     assert r.xlen(KEYS.requests) == 2
+    waits_ms = []
+    for resp in turned_away:
+        error = check_error(resp, 429, None, "2 requests are waiting", "limit is 2")
+        assert error["type"] == "rate_limit_error"
+        ms = int(resp.headers["retry-after-ms"])
+        assert int(resp.headers["Retry-After"]) == -(-ms // 1000), "whole seconds, rounded up"
+        waits_ms.append(ms)
+    # Nothing has left the queue yet: one request to drain at the assumed 1/s, with +-50 % jitter.
+    assert all(500 <= ms <= 1500 for ms in waits_ms), waits_ms
+    assert len(set(waits_ms)) >= 15 and max(waits_ms) - min(waits_ms) >= 300, f"retries spread out: {waits_ms}"
 
 
 def test_a_waiting_request_survives_a_redis_restart(own_redis, tiny_model_dir, model):
