@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import dataclasses
+import gzip
 import json
 import shutil
 import threading
@@ -34,7 +35,7 @@ from shared.protocol import (
 from shared.settings import Settings
 
 KEYS = Keys()
-Script = Callable[[Request], list[TokenOutput]]
+Script = Callable[[Request], list[TokenOutput | Assignment]]
 
 
 def as_placed(req: Request, outs: list[TokenOutput]) -> list[Assignment | TokenOutput]:
@@ -45,11 +46,13 @@ def as_placed(req: Request, outs: list[TokenOutput]) -> list[Assignment | TokenO
 
 
 class Driver:
-    """The scheduler's side of the bus for tests: each request gets the entries `script` returns, as placed."""
+    """The scheduler's side of the bus for tests: each request gets the entries `script` returns, as placed
+    (or, with `place` False, exactly as returned: a script that forges entries writes its own Assignment)."""
 
-    def __init__(self, url: str, script: Script) -> None:
+    def __init__(self, url: str, script: Script, place: bool = True) -> None:
         self.url = url
         self.script = script
+        self.place = place
         self.requests: list[Request] = []
 
     async def run(self) -> None:
@@ -62,8 +65,11 @@ class Driver:
                         cursor = entry_id
                         req = decode(fields[FIELD.encode()], Request)
                         self.requests.append(req)
-                        for entry in as_placed(req, self.script(req)):
-                            await client.xadd(KEYS.out(req.rid), {FIELD: encode(entry)})
+                        entries = self.script(req)
+                        async with client.pipeline(transaction=False) as pipe:
+                            for entry in as_placed(req, entries) if self.place else entries:
+                                pipe.xadd(KEYS.out(req.rid), {FIELD: encode(entry)})
+                            await pipe.execute()
         finally:
             await client.aclose()
 
@@ -81,10 +87,11 @@ class Reply:
 class LiveGateway:
     """The gateway app on a background event loop, reachable over real HTTP (an aiohttp client on the loop)."""
 
-    def __init__(self, settings: Settings, model: ServedModel, script: Script | None = None) -> None:
+    def __init__(self, settings: Settings, model: ServedModel, script: Script | None = None,
+                 place: bool = True) -> None:
         self.settings = settings
         self.model = model
-        self.driver = Driver(settings.redis_url, script) if script else None
+        self.driver = Driver(settings.redis_url, script, place) if script else None
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
@@ -600,6 +607,141 @@ def test_a_waiting_request_survives_a_redis_restart(own_redis, tiny_model_dir, m
         reply = pending.result(60)
     assert reply.status == 200, reply.text
     assert reply.json()["choices"][0]["text"] == text
+
+
+def forged_around(model: ServedModel, text: str) -> Script:
+    """`text` from the assigned worker w0 (epoch 1), interleaved with what a process that can write to Redis
+    might add: a huge output index, tokens of a worker the request is not assigned to, a stale epoch, an
+    older assignment; and after the scheduler's end entry, more tokens and an error end."""
+    def script(req: Request) -> list[TokenOutput | Assignment]:
+        ids, evil = tokens(model, text), tokens(model, " EVIL")
+        half = len(ids) // 2
+        good = [TokenOutput(req.rid, 0, i, t, worker_id="w0", epoch=1,
+                            finish_reason="length" if i == len(ids) - 1 else None) for i, t in enumerate(ids)]
+        forged = [TokenOutput(req.rid, 0, 10**9, evil[0], worker_id="w0", epoch=1),
+                  TokenOutput(req.rid, 0, half, evil[0], worker_id="intruder", epoch=1),
+                  TokenOutput(req.rid, 0, half, evil[0], worker_id="w0", epoch=0),
+                  Assignment(req.rid, "intruder", 0),
+                  TokenOutput(req.rid, 0, half, evil[0], worker_id="intruder", epoch=0)]
+        end = TokenOutput(req.rid, -1, 0, 0, finish_reason="length")
+        after = [TokenOutput(req.rid, 0, len(ids), evil[0], worker_id="w0", epoch=1),
+                 TokenOutput(req.rid, -1, 0, 0, finish_reason="error", error="EVIL", error_kind=FAILED)]
+        return [Assignment(req.rid, "w0", 1), *good[:half], *forged, *good[half:-1],
+                dataclasses.replace(good[-1], finish_reason=None), end, *after]
+    return script
+
+
+def test_forged_bus_entries_never_reach_the_client(base, model, caplog):
+    text = "the real answer 東京"
+    with LiveGateway(base, model, forged_around(model, text), place=False) as gw:
+        whole = gw.post("/v1/completions", json={"prompt": "hi", "max_tokens": 40},
+                        headers={"X-Request-Id": "trace-42"})
+        streamed = gw.post("/v1/completions", json={"prompt": "hi", "max_tokens": 40, "stream": True})
+    assert whole.status == 200, whole.text
+    (choice,) = whole.json()["choices"]
+    assert (choice["text"], choice["finish_reason"]) == (text, "length")
+    assert whole.json()["usage"]["completion_tokens"] == len(tokens(model, text))
+    events = sse_events(streamed.text)
+    assert events[-1] == "[DONE]" and not any("error" in json.loads(e) for e in events[:-1])
+    assert "".join(ch["text"] for e in events[:-1] for ch in json.loads(e)["choices"]) == text
+    dropped = [r.getMessage() for r in caplog.records if "dropped an entry" in r.getMessage()]
+    assert sum(m.startswith("[trace-42] ") for m in dropped) == 5, "each forgery logged under the call's id"
+
+
+def test_a_burst_of_1024_gets_200_or_429_and_leaves_few_connections(base, model, redis_url):
+    async def burst(gw: LiveGateway, count: int) -> list[int]:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            async def one(i: int) -> int:
+                async with session.post(gw.url + "/v1/completions", json={"prompt": f"{i} hi", "max_tokens": 4},
+                                        timeout=aiohttp.ClientTimeout(total=120)) as resp:
+                    await resp.read()
+                    return resp.status
+            return list(await asyncio.gather(*(one(i) for i in range(count))))
+
+    r = redis.Redis.from_url(redis_url)
+    with LiveGateway(base, model, answer(model, ["ok"])) as gw:
+        for count in (256, 1024):
+            statuses = gw.run(burst(gw, count))
+            assert set(statuses) <= {200, 429}, {s: statuses.count(s) for s in set(statuses)}
+            assert statuses.count(200) >= count // 4
+        after = gw.post("/v1/completions", json={"prompt": "still there?"})
+        assert after.status == 200 and after.json()["choices"][0]["text"] == "ok"
+        # This client, the driver's, the gateway's stream reader and its bounded pool.
+        assert len(r.client_list()) <= base.redis_max_connections + 3
+
+
+def test_the_gateway_keeps_a_heartbeat_and_tags_its_requests(base, model, redis_url):
+    r = redis.Redis.from_url(redis_url)
+    with LiveGateway(base.replace(heartbeat_ttl=0.8), model, answer(model, ["ok"])) as gw:
+        (key,) = wait_until(lambda: r.keys(KEYS.gateway_alive("*")), "the gateway's heartbeat key")
+        instance = key.decode().split(":")[-2]
+        for _ in range(12):  # 2.4 s, three TTLs: it must be refreshed to stay
+            assert 0 < r.pttl(key) <= 800
+            time.sleep(0.2)
+        assert gw.post("/v1/completions", json={"prompt": "hi"}).status == 200
+        assert gw.driver.requests[0].gateway_id == instance
+    assert r.keys(KEYS.gateway_alive("*")) == [], "a clean shutdown deletes it at once"
+
+
+def test_a_body_that_is_not_what_its_content_encoding_says_gets_400(base, model):
+    with LiveGateway(base, model, answer(model, ["ok"])) as gw:
+        bad = gw.post("/v1/completions", content=b"not gzip at all", headers={"Content-Encoding": "gzip"})
+        check_error(bad, 400, None, "cannot be read", "gzip")
+        good = gw.post("/v1/completions", content=gzip.compress(json.dumps({"prompt": "hi"}).encode()),
+                       headers={"Content-Encoding": "gzip"})
+        assert good.status == 200 and good.json()["choices"][0]["text"] == "ok"
+
+
+def test_request_ids_are_honoured_or_made_and_returned(base, model):
+    with LiveGateway(base, model, answer(model, ["ok"])) as gw:
+        body = {"prompt": "hi"}
+        assert gw.post("/v1/completions", json=body, headers={"X-Request-Id": "abc-1"}).headers["X-Request-Id"] == "abc-1"
+        streamed = gw.post("/v1/completions", json=body | {"stream": True}, headers={"X-Request-Id": "abc-2"})
+        assert streamed.headers["X-Request-Id"] == "abc-2"
+        error = gw.post("/v1/completions", json={"prompt": ""}, headers={"X-Request-Id": "abc-3"})
+        assert error.status == 400 and error.headers["X-Request-Id"] == "abc-3"
+        made = {gw.post("/v1/completions", json=body).headers["X-Request-Id"] for _ in range(3)}
+        unusable = gw.post("/v1/completions", json=body, headers={"X-Request-Id": "x" * 200})
+        made.add(unusable.headers["X-Request-Id"])
+    assert len(made) == 4 and all(len(m) == 32 and int(m, 16) >= 0 for m in made), made
+
+
+def test_streams_send_an_event_for_every_token_even_one_without_text(base, model):
+    text = "🚀🚀 東京 ok"
+    ids = tokens(model, text)
+    assert any(model.tokenizer.decode([t]).endswith("\ufffd") for t in ids), "some tokens end mid-character"
+    with LiveGateway(base, model, answer(model, [text])) as gw:
+        completion = gw.post("/v1/completions", json={"prompt": "hi", "max_tokens": 40, "stream": True})
+        chat = gw.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 40, "stream": True})
+    texts = [ch["text"] for e in sse_events(completion.text)[:-1] for ch in json.loads(e)["choices"]]
+    assert len(texts) == len(ids) and "".join(texts) == text and "" in texts
+    deltas = [ch["delta"] for e in sse_events(chat.text)[:-1] for ch in json.loads(e)["choices"]]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert [d["content"] for d in deltas[1:]] == texts, "one chunk per token, empty while a character is unfinished"
+
+
+def test_tokenizer_endpoints_round_trip_text_with_the_models_own_tokenizer(base, model, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
+    text = "Größe, café — 東京 🚀 <|im_end|> and more"
+    messages = [{"role": "system", "content": "terse"}, {"role": "user", "content": text}]
+    with LiveGateway(base, model) as gw:
+        plain = gw.post("/tokenize", json={"model": model.name, "prompt": text, "add_special_tokens": False,
+                                           "return_token_strs": True}).json()
+        with_specials = gw.post("/tokenize", json={"prompt": text}).json()
+        chat = gw.post("/tokenize", json={"messages": messages}).json()
+        back = gw.post("/detokenize", json={"model": model.name, "tokens": plain["tokens"]}).json()
+        info = gw.get("/tokenizer_info").json()
+    assert plain["tokens"] == hf(text, add_special_tokens=False).input_ids
+    assert plain["count"] == len(plain["tokens"]) and plain["max_model_len"] == model.max_model_len
+    assert plain["token_strs"] == hf.convert_ids_to_tokens(plain["tokens"])
+    assert with_specials["tokens"] == hf(text).input_ids and "token_strs" not in with_specials
+    assert chat["tokens"] == hf(hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                                add_special_tokens=False).input_ids
+    assert back == {"prompt": text}
+    assert (info["eos_token"], info["bos_token"], info["pad_token"]) == (hf.eos_token, hf.bos_token, hf.pad_token)
+    assert info["chat_template"] == hf.chat_template and info["model_max_length"] == model.max_model_len
 
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
