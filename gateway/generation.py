@@ -117,7 +117,7 @@ class RequestTracker:
             sample.token_ids.append(out.token_id)
             return [self._end(out.sample_index, "", out.finish_reason and "length")]
         sample.token_ids.append(out.token_id)
-        record = TokenLogprob(out.token_id, out.logprob, list(out.top_logprobs), sample.detok_len)
+        record = TokenLogprob(out.token_id, out.logprob, list(out.top_logprobs), sample.detok_len + sample.detok.held)
         sample.logprobs.append(record)
         # A token that ends the sample as a stop token (EOS or stop_token_ids) is not part of the text.
         new = "" if out.finish_reason == "stop" else sample.detok.add(out.token_id)

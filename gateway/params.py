@@ -146,14 +146,14 @@ def _prompt_logprobs(body: dict[str, Any], stream: bool) -> int | None:
 
 
 def _text_offsets(tokenizer: Tokenizer, prompt: Prompt) -> list[int]:
-    """Where each prompt token's text starts in the echoed prompt: the length of the text the tokens before
-    it decode to, counting whole characters only (a token that ends inside a character starts where it does).
+    """Where each prompt token's text starts in the echoed prompt: after the whole characters the tokens before
+    it decode to (a token that continues a character starts where the character does).
     Special tokens count as the echo shows them: written out when the prompt came as token ids, absent from
     a text prompt (where the tokenizer added them)."""
     detok = IncrementalDetokenizer(functools.partial(tokenizer.decode, skip_special_tokens=prompt.from_text))
     offsets, length = [], 0
     for token_id in prompt.token_ids:
-        offsets.append(length)
+        offsets.append(length + detok.held)
         length += len(detok.add(token_id))
     return offsets
 

@@ -149,14 +149,13 @@ def tokens(model: ServedModel, text: str) -> list[int]:
     return model.tokenizer.hf(text, add_special_tokens=False)["input_ids"]
 
 
-def prompt_logprobs_of(req: Request) -> list[PromptLogprob] | None:
+def prompt_logprobs_of(prompt_ids: list[int], k: int | None) -> list[PromptLogprob] | None:
     """What a worker would say of the prompt, made up but regular: prompt token j has logprob -j/8, and is
     the likeliest at odd j (rank 1) and second to token 9 at even j (rank 2); the top holds k tokens."""
-    k = req.params.prompt_logprobs
     if k is None:
         return None
     out = []
-    for j, t in enumerate(req.prompt_token_ids[1:], 1):
+    for j, t in enumerate(prompt_ids[1:], 1):
         lp = -j / 8
         rivals = [(u, lp - 1 - m) for m, u in enumerate(u for u in (7, 8, 9, 10, 11) if u != t)]
         top = [(t, lp)] + rivals if j % 2 else [(9 if t != 9 else 10, lp + 0.5), (t, lp)] + rivals
@@ -180,7 +179,8 @@ def answer(model: ServedModel, texts: list[str], finish: str | None = "length", 
             ids = ids[:req.params.max_tokens]
             for i, t in enumerate(ids):
                 end = ("length" if cut else finish) if i == len(ids) - 1 else None
-                first = dict(num_cached_tokens=cached_tokens_of(req), prompt_logprobs=prompt_logprobs_of(req))
+                first = dict(num_cached_tokens=cached_tokens_of(req),
+                             prompt_logprobs=prompt_logprobs_of(req.prompt_token_ids, req.params.prompt_logprobs))
                 outs.append(TokenOutput(req.rid, s, i, t, logprob=-0.25 * (i + 1),
                                         top_logprobs=[(t, -0.25 * (i + 1)), (7, -3.0)], finish_reason=end,
                                         **(first if i == 0 else {})))
