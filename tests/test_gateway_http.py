@@ -12,6 +12,7 @@ import json
 import shutil
 import threading
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -25,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.app import create_app
+from gateway.app import SERVER_OPTIONS, create_app
 from gateway.model import ServedModel
 from shared.keys import FIELD, Keys
 from shared.protocol import (
@@ -104,8 +105,8 @@ class LiveGateway:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(120)
 
     async def _start(self) -> None:
-        self.server = TestServer(await create_app(self.settings, self.model))  # cancels handlers on disconnect
-        await self.server.start_server()
+        self.server = TestServer(await create_app(self.settings, self.model))
+        await self.server.start_server(**SERVER_OPTIONS)  # it cancels handlers on disconnect, as `run` does
         self.url = str(self.server.make_url("")).rstrip("/")
         self.session = aiohttp.ClientSession()
         self.driver_task = asyncio.create_task(self.driver.run()) if self.driver else None
@@ -684,12 +685,19 @@ def test_the_gateway_keeps_a_heartbeat_and_tags_its_requests(base, model, redis_
 
 
 def test_a_body_that_is_not_what_its_content_encoding_says_gets_400(base, model):
+    body = json.dumps({"prompt": "hi"}).encode()
     with LiveGateway(base, model, answer(model, ["ok"])) as gw:
-        bad = gw.post("/v1/completions", content=b"not gzip at all", headers={"Content-Encoding": "gzip"})
-        check_error(bad, 400, None, "cannot be read", "gzip")
-        good = gw.post("/v1/completions", content=gzip.compress(json.dumps({"prompt": "hi"}).encode()),
-                       headers={"Content-Encoding": "gzip"})
-        assert good.status == 200 and good.json()["choices"][0]["text"] == "ok"
+        for encoding in ("gzip", "deflate"):
+            check_error(gw.post("/v1/completions", content=b"not compressed", headers={"Content-Encoding": encoding}),
+                        400, None, f"not {encoding}")
+        check_error(gw.post("/v1/completions", content=gzip.compress(body)[:-9], headers={"Content-Encoding": "gzip"}),
+                    400, None, "cut short")
+        check_error(gw.post("/v1/completions", content=body, headers={"Content-Encoding": "br"}), 415, None, "'br'")
+        bomb = gzip.compress(b" " * (base.max_body_bytes + 1))
+        check_error(gw.post("/v1/completions", content=bomb, headers={"Content-Encoding": "gzip"}), 413, None)
+        for compressed, encoding in ((gzip.compress(body), "gzip"), (zlib.compress(body), "deflate")):
+            good = gw.post("/v1/completions", content=compressed, headers={"Content-Encoding": encoding})
+            assert good.status == 200 and good.json()["choices"][0]["text"] == "ok"
 
 
 def test_request_ids_are_honoured_or_made_and_returned(base, model):
@@ -744,49 +752,64 @@ def test_tokenizer_endpoints_round_trip_text_with_the_models_own_tokenizer(base,
     assert info["chat_template"] == hf.chat_template and info["model_max_length"] == model.max_model_len
 
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+# Text with lone surrogates now and then ("\ud800" in JSON), which UTF-8 cannot carry.
+TEXT = st.text(max_size=8) | st.text(st.characters(categories=["Cs", "Lo", "So"]), max_size=4)
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | TEXT,
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXT, inner, max_size=4),
                     max_leaves=12)
 # Mostly well-typed values around the valid ranges' edges, sometimes any JSON at all.
 TYPED = {
     "model": st.sampled_from(["tiny", "other"]), "max_tokens": st.integers(-1, 40),
     "max_completion_tokens": st.integers(-1, 40), "temperature": st.floats(-0.5, 2.5), "top_p": st.floats(0, 1.2),
     "top_k": st.integers(-2, 40), "min_p": st.floats(-0.1, 1.1), "seed": st.integers(-1, 2**64),
-    "n": st.integers(0, 3), "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=2),
+    "n": st.integers(0, 3), "stop": TEXT | st.lists(TEXT, max_size=2),
     "stop_token_ids": st.lists(st.integers(-1, 600), max_size=2), "presence_penalty": st.floats(-2.5, 2.5),
     "frequency_penalty": st.floats(-2.5, 2.5), "repetition_penalty": st.floats(0, 2.5),
     "logprobs": st.integers(-1, 22) | st.booleans(), "top_logprobs": st.integers(-1, 22), "echo": st.booleans(),
-    "ignore_eos": st.booleans(), "stream": st.booleans(),
+    "prompt_logprobs": st.integers(-1, 22), "ignore_eos": st.booleans(), "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}), "user": st.text(max_size=5),
     "min_tokens": st.integers(-1, 5), "best_of": st.integers(0, 3), "skip_special_tokens": st.booleans(),
     "logit_bias": st.dictionaries(st.text(max_size=3), st.integers(-5, 5), max_size=1),
+    "add_special_tokens": st.booleans(), "add_generation_prompt": st.booleans(), "return_token_strs": st.booleans(),
 }
 OPTIONAL = {name: st.one_of(values, values, JSON) for name, values in TYPED.items()}
 VALID = {"max_tokens": st.integers(1, 8), "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1),
          "top_k": st.integers(-1, 20), "seed": st.integers(0, 2**63 - 1), "n": st.integers(1, 3),
          "stop": st.lists(st.text(min_size=1, max_size=3), max_size=2), "logprobs": st.integers(0, 5),
          "stream": st.booleans(), "ignore_eos": st.booleans(), "presence_penalty": st.floats(-2, 2)}
+PROMPT_LOGPROBS = {"echo": st.booleans(), "prompt_logprobs": st.integers(0, 5), "max_tokens": st.integers(0, 4)}
 MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "x"]),
-                                           "content": st.text(max_size=12) | JSON}), max_size=3)
+                                           "content": TEXT | JSON}), max_size=3)
+PROMPTS = TEXT | st.lists(st.integers(-1, 600), max_size=5) | st.lists(TEXT | st.lists(st.integers(0, 511),
+                                                                                          max_size=3), max_size=3)
 BODIES = st.one_of(
     JSON,
-    st.dictionaries(st.sampled_from([*TYPED, "prompt", "messages"]), JSON, max_size=6),
-    st.fixed_dictionaries({"prompt": st.text(max_size=20) | st.lists(st.integers(-1, 600), max_size=5)},
-                          optional=OPTIONAL),
+    st.dictionaries(st.sampled_from([*TYPED, "prompt", "messages", "tokens"]), JSON, max_size=6),
+    st.fixed_dictionaries({"prompt": PROMPTS}, optional=OPTIONAL),
     st.fixed_dictionaries({"prompt": st.text(min_size=1, max_size=20)}, optional=TYPED),
     st.fixed_dictionaries({"prompt": st.text(min_size=1, max_size=20)}, optional=VALID),
-    st.fixed_dictionaries({"messages": st.just(HI)}, optional=VALID | {"logprobs": st.booleans()}),
+    st.fixed_dictionaries({"prompt": PROMPTS}, optional=VALID | PROMPT_LOGPROBS),
+    st.fixed_dictionaries({"messages": st.just(HI)}, optional=VALID | {"logprobs": st.booleans(),
+                                                                       "prompt_logprobs": st.integers(0, 3)}),
     st.fixed_dictionaries({"messages": MESSAGES}, optional=OPTIONAL),
+    st.fixed_dictionaries({"tokens": st.lists(st.integers(-1, 600), max_size=6) | JSON}, optional=OPTIONAL),
 )
+PATHS = st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+HEADERS = st.fixed_dictionaries({}, optional={
+    "X-Request-Id": st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=140),
+    "Content-Encoding": st.sampled_from(["gzip", "deflate", "identity", "br"])})
 
 
-def test_fuzzed_json_bodies_never_get_a_5xx(base, model):
+def test_fuzzed_bodies_of_every_endpoint_never_get_a_5xx(base, model):
     with LiveGateway(base, model, answer(model, ["ok 🚀"])) as gw:
-        @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
-        @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), body=BODIES)
-        def check(path, body):
-            resp = gw.post(path, content=json.dumps(body).encode())
-            assert resp.status < 500, (body, resp.text)
+        @settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(path=PATHS, body=BODIES, headers=HEADERS, compress=st.booleans())
+        def check(path, body, headers, compress):
+            content = json.dumps(body).encode()
+            if compress and headers.get("Content-Encoding") == "gzip":
+                content = gzip.compress(content)
+            resp = gw.post(path, content=content, headers=headers)
+            assert resp.status < 500, (body, headers, resp.text)
             if resp.status >= 400:
                 assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
 
