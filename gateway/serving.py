@@ -198,7 +198,7 @@ class Generation:
 
     def _vllm_prompt_logprobs(self, i: int) -> list | None:
         tracker = self.trackers[i]
-        if self.call.prompt_logprobs is None or tracker.prompt_logprobs is None:
+        if tracker.prompt_logprobs is None:
             return None
         return vllm_prompt_logprobs(self.gw.model.tokenizer, self.call.prompts[i].token_ids, tracker.prompt_logprobs,
                                     self.call.prompt_logprobs)
@@ -219,14 +219,16 @@ class Generation:
         choices = []
         for i in range(count):
             text, prefix = self._prefix(i)
-            choice = self.fmt.choice(i, text + texts[i], prefix + _shifted(records[i], len(text)), *ends[i])
-            if self.call.prompt_logprobs is not None and self.fmt.prompt_logprobs_on_choices:
-                choice["prompt_logprobs"] = self._vllm_prompt_logprobs(i // self.call.params.n)
-            choices.append(choice)
+            choices.append(self.fmt.choice(i, text + texts[i], prefix + _shifted(records[i], len(text)), *ends[i]))
         body = {"id": self.id, "object": self.fmt.object, "created": self.created, "model": self.call.model,
                 "choices": choices, "usage": self.usage()}
-        if self.call.prompt_logprobs is not None and not self.fmt.prompt_logprobs_on_choices:
-            body["prompt_logprobs"] = self._vllm_prompt_logprobs(0)
+        if self.call.prompt_logprobs is not None:
+            per_prompt = [self._vllm_prompt_logprobs(i) for i in range(len(self.call.prompts))]
+            if self.fmt.prompt_logprobs_on_choices:
+                for i, choice in enumerate(choices):
+                    choice["prompt_logprobs"] = per_prompt[i // self.call.params.n]
+            else:
+                body["prompt_logprobs"] = per_prompt[0]
         return web.json_response(body)
 
     def _chunk(self, choices: list[dict]) -> bytes:
@@ -240,23 +242,23 @@ class Generation:
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
         response: web.StreamResponse | None = None
-        opened: set[int] = set()
+        echoed: dict[int, int] = {}  # per opened choice, the length of its echoed text
         try:
             async with contextlib.aclosing(self.events()) as events:
                 async for index, delta in events:
                     if response is None:
                         # Headers go out with the first token, so a request rejected before any gets a plain 4xx.
                         response = await self._open(request)
-                    text, prefix = self._prefix(index)
-                    if index not in opened:
-                        opened.add(index)
+                    if index not in echoed:
+                        text, prefix = self._prefix(index)
+                        echoed[index] = len(text)
                         opening = self.fmt.opening(index, text if self.call.echo else None, prefix)
                         if opening is not None:
                             await _send(response, self._chunk([opening]))
                     # One event per token, with empty text while its characters are unfinished or held back
                     # by a stop string, so that clients see every token arrive.
                     await _send(response, self._chunk([self.fmt.chunk_choice(
-                        index, delta.text, _shifted(delta.logprobs, len(text)), delta.finish_reason,
+                        index, delta.text, _shifted(delta.logprobs, echoed[index]), delta.finish_reason,
                         delta.stop_reason)]))
             if response is None:
                 response = await self._open(request)

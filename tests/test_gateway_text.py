@@ -44,6 +44,26 @@ def test_any_token_sequence_detokenizes_like_decode(tok, ids, prompt):
     assert "".join(stream(tok, prompt_ids, ids)) == tok.decode(ids)
 
 
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.integers(0, 511), max_size=12), st.booleans())
+def test_the_gateways_decode_is_transformers_decode(tok, ids, skip_special_tokens):
+    assert tok.decode(ids, skip_special_tokens) == tok.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.text(max_size=30))
+def test_logprob_tokens_spell_the_text_byte_for_byte(tok, text):
+    # Oracle: the text's own UTF-8 bytes.
+    ids = tok.hf(text, add_special_tokens=False)["input_ids"]
+    assert b"".join(tok.token_bytes(t) for t in ids) == text.encode()
+    for t in ids:  # whole characters read as themselves, anything else as `bytes:...`, never U+FFFD
+        try:
+            alone = tok.token_bytes(t).decode()
+        except UnicodeDecodeError:
+            alone = None
+        assert tok.token_text(t) == alone if alone is not None else tok.token_text(t).startswith("bytes:")
+
+
 def test_special_tokens_are_skipped_in_text(tok):
     ids = tok.hf("hello<|im_end|> world", add_special_tokens=False)["input_ids"]
     assert "".join(stream(tok, [], ids)) == tok.decode(ids) == "hello world"
