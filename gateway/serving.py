@@ -109,6 +109,8 @@ class Generation:
                                         hide_output=call.hide_output, logger=self.log)
                          for i, p in enumerate(call.prompts)]
         self.first_token: list[float | None] = [None] * len(self.trackers)
+        # (prompt index, entry of its stream, or the error that ended the reading), as the bus routes them
+        self.queue: asyncio.Queue[tuple[int, TokenOutput | Assignment | BaseException]] = asyncio.Queue()
 
     @property
     def prompt_tokens(self) -> int:
@@ -125,11 +127,10 @@ class Generation:
         requests = [Request(t.rid, self.call.model, p.token_ids, self.call.params, arrival, gw.bus.instance)
                     for t, p in zip(self.trackers, self.call.prompts)]
         waiting = set(range(len(self.trackers)))  # places reserved by Gateway.admit
-        queue: asyncio.Queue[tuple[int, TokenOutput | Assignment | BaseException]] = asyncio.Queue()
         submitted = False
         try:
             for i, tracker in enumerate(self.trackers):
-                gw.bus.follow(tracker.rid, queue, i)
+                gw.bus.follow(tracker.rid, self.queue, i)
             try:
                 await gw.bus.submit(requests)
             except BUS_ERRORS as e:
@@ -137,7 +138,7 @@ class Generation:
             submitted = True
             gw.metrics.prompt_tokens.inc(self.prompt_tokens)
             while not all(t.finished for t in self.trackers):
-                i, out = await queue.get()
+                i, out = await self.queue.get()
                 if isinstance(out, BaseException):
                     raise out
                 tracker = self.trackers[i]
@@ -243,6 +244,7 @@ class Generation:
     async def stream(self, request: web.Request) -> web.StreamResponse:
         response: web.StreamResponse | None = None
         echoed: dict[int, int] = {}  # per opened choice, the length of its echoed text
+        events_ready: list[bytes] = []  # written together while more tokens wait in the queue: one write, not one each
         try:
             async with contextlib.aclosing(self.events()) as events:
                 async for index, delta in events:
@@ -254,19 +256,22 @@ class Generation:
                         echoed[index] = len(text)
                         opening = self.fmt.opening(index, text if self.call.echo else None, prefix)
                         if opening is not None:
-                            await _send(response, self._chunk([opening]))
+                            events_ready.append(self._chunk([opening]))
                     # One event per token, with empty text while its characters are unfinished or held back
                     # by a stop string, so that clients see every token arrive.
-                    await _send(response, self._chunk([self.fmt.chunk_choice(
+                    events_ready.append(self._chunk([self.fmt.chunk_choice(
                         index, delta.text, _shifted(delta.logprobs, echoed[index]), delta.finish_reason,
                         delta.stop_reason)]))
+                    if self.queue.empty():
+                        await _send(response, events_ready)
             if response is None:
                 response = await self._open(request)
             if self.call.include_usage:
-                await _send(response, sse.event({"id": self.id, "object": self.fmt.chunk_object,
-                                                 "created": self.created, "model": self.call.model,
-                                                 "choices": [], "usage": self.usage()}))
-            await _send(response, sse.DONE)
+                events_ready.append(sse.event({"id": self.id, "object": self.fmt.chunk_object,
+                                               "created": self.created, "model": self.call.model,
+                                               "choices": [], "usage": self.usage()}))
+            events_ready.append(sse.DONE)
+            await _send(response, events_ready)
             await response.write_eof()
         except ClientGone:
             self.log.info("the client of %s went away mid-stream", self.id)
@@ -275,9 +280,8 @@ class Generation:
             if response is None:
                 raise error from None
             # Headers are gone already: the error travels as a last event, as OpenAI's streams do.
-            with contextlib.suppress(ConnectionResetError):
-                await response.write(sse.event(error.body()))
-                await response.write(sse.DONE)
+            with contextlib.suppress(ClientGone):
+                await _send(response, events_ready + [sse.event(error.body()), sse.DONE])
         return response
 
 
@@ -292,7 +296,10 @@ class ClientGone(Exception):
     """Writing to the client failed: it disconnected."""
 
 
-async def _send(response: web.StreamResponse, data: bytes) -> None:
+async def _send(response: web.StreamResponse, events: list[bytes]) -> None:
+    """Write `events` in one go, and empty the list."""
+    data = b"".join(events)
+    events.clear()
     try:
         await response.write(data)
     except ConnectionResetError:
