@@ -1,36 +1,103 @@
-"""The aiohttp application: routes, API-key and error middlewares, start-up and shutdown."""
+"""The aiohttp application: routes, request-id, error and API-key middlewares, start-up and shutdown."""
 from __future__ import annotations
 
 import asyncio
 import hmac
 import json
 import logging
+import re
 import time
+import uuid
+import zlib
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from aiohttp import web
+from multidict import CIMultiDict
 
+from gateway import params
+from gateway.admission import Admission
 from gateway.bus import Bus
 from gateway.errors import ApiError, bad_request
 from gateway.formats import ChatFormat, CompletionFormat
 from gateway.metrics import CONTENT_TYPE
 from gateway.model import ServedModel
-from gateway.params import GenerateCall, parse_chat, parse_completion
-from gateway.serving import BUS_ERRORS, Gateway, Generation
+from gateway.params import GenerateCall
+from gateway.serving import BUS_ERRORS, REQUEST_ID, CallLog, Gateway, Generation
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
 GATEWAY = web.AppKey("gateway", Gateway)
-# Tokenization runs off the event loop, one call at a time: HF tokenizers are not safe to share between
-# concurrent encode calls.
-TOKENIZER = web.AppKey("tokenizer_executor", ThreadPoolExecutor)
+USABLE_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces: safe in headers and logs
+OPEN_PATHS = ("/health", "/metrics")  # answer without the API key
+# The gateway decodes a compressed body itself (aiohttp's own decoding answers a bad one in its own format, or
+# not at all): gzip or zlib-wrapped deflate, told apart by their headers.
+CONTENT_ENCODINGS = {"gzip": zlib.MAX_WBITS | 32, "deflate": zlib.MAX_WBITS | 32, "identity": None, "": None}
+SERVER_OPTIONS = {"auto_decompress": False}
+SMALL_BODY_BYTES = 64 << 10
+LARGE_BODY_THREADS = 2
 SHUTDOWN_TIMEOUT_S = 5.0
+
+
+@dataclass(slots=True)
+class Tokenizing:
+    """Where request bodies are decoded and tokenized: threads, off the event loop (the Rust tokenizer lets go
+    of the GIL while it works), with small bodies in a lane of their own so that a few huge prompts never
+    hold up a small one."""
+    small: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenize-small"))
+    large: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(LARGE_BODY_THREADS, thread_name_prefix="tokenize-large"))
+
+    async def run(self, raw: bytes, handle: Callable[[Any, ServedModel], Any], model: ServedModel) -> Any:
+        """`handle(body, model)` over the JSON body `raw`, in the lane its size picks."""
+        lane = self.small if len(raw) <= SMALL_BODY_BYTES else self.large
+        return await asyncio.get_running_loop().run_in_executor(lane, _handle_json, raw, handle, model)
+
+    def shutdown(self) -> None:
+        for lane in (self.small, self.large):
+            lane.shutdown(wait=False, cancel_futures=True)
+
+
+TOKENIZING = web.AppKey("tokenizing", Tokenizing)
+
+
+def _handle_json(raw: bytes, handle: Callable[[Any, ServedModel], Any], model: ServedModel) -> Any:
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    return handle(body, model)
 
 
 def too_large(limit: int, size: int | None = None) -> ApiError:
     got = f"of {size} bytes " if size is not None else ""
     return ApiError(413, f"the request body {got}exceeds the limit of {limit} bytes", code="request_too_large")
+
+
+def request_id(request: web.Request) -> str:
+    return request.headers[REQUEST_ID]
+
+
+def call_log(request: web.Request) -> CallLog:
+    return CallLog(log, {"request_id": request_id(request)})
+
+
+@web.middleware
+async def request_id_middleware(request: web.Request, handler: Callable) -> web.StreamResponse:
+    """Every call has a request id: the client's X-Request-Id when it sends a usable one, else a new one. The
+    answer carries it back, and the call's log lines start with it."""
+    given = request.headers.get(REQUEST_ID, "")
+    rid = given if USABLE_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+    if rid != given:
+        headers = CIMultiDict(request.headers)
+        headers[REQUEST_ID] = rid
+        request = request.clone(headers=headers)
+    response = await handler(request)
+    if not response.prepared:  # a stream sets it itself, before its headers leave
+        response.headers[REQUEST_ID] = rid
+    return response
 
 
 @web.middleware
@@ -48,15 +115,15 @@ async def errors_middleware(request: web.Request, handler: Callable) -> web.Stre
         return ApiError(e.status, f"{e.reason}: {request.method} {request.path}",
                         type="invalid_request_error" if e.status < 500 else "server_error").response()
     except Exception:
-        log.exception("unexpected error answering %s %s", request.method, request.path)
+        call_log(request).exception("unexpected error answering %s %s", request.method, request.path)
         return ApiError(500, "internal error in the gateway; see its log", type="server_error").response()
 
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Callable) -> web.StreamResponse:
-    """With an API key set, the /v1 routes need `Authorization: Bearer <key>`; health and metrics stay open."""
+    """With an API key set, every route but health and metrics needs `Authorization: Bearer <key>`."""
     key = request.app[GATEWAY].settings.api_key
-    if key and request.path.startswith("/v1/"):
+    if key and request.path not in OPEN_PATHS:
         given = request.headers.get("Authorization", "")
         scheme, _, token = given.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
@@ -65,40 +132,74 @@ async def auth_middleware(request: web.Request, handler: Callable) -> web.Stream
     return await handler(request)
 
 
-async def read_json(request: web.Request, limit: int) -> Any:
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The body, decompressed as its Content-Encoding says, at most `limit` bytes either way."""
     if request.content_length is not None and request.content_length > limit:
         raise too_large(limit, request.content_length)
+    encoding = request.headers.get("Content-Encoding", "").strip().lower()
+    if encoding not in CONTENT_ENCODINGS:
+        raise ApiError(415, f"Content-Encoding {encoding!r} is not supported; send gzip, deflate or none",
+                       code="unsupported_content_encoding")
     raw = await request.read()
+    wbits = CONTENT_ENCODINGS[encoding]
+    if wbits is None:
+        return raw
+    inflate = zlib.decompressobj(wbits)
     try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
+        body = inflate.decompress(raw, limit + 1)
+    except zlib.error as e:
+        raise bad_request(f"the request body is not {encoding} as its Content-Encoding says: {e}") from None
+    if len(body) > limit:
+        raise too_large(limit)
+    if not inflate.eof:
+        raise bad_request(f"the request body is cut short: its {encoding} stream does not end")
+    return body
 
 
 async def _generate(request: web.Request, parse: Callable[[Any, ServedModel], GenerateCall],
                     fmt: type[CompletionFormat] | type[ChatFormat]) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     received = time.time()
-    body = await read_json(request, gw.settings.max_body_bytes)
-    call = await asyncio.get_running_loop().run_in_executor(request.app[TOKENIZER], parse, body, gw.model)
-    generation = Generation(gw, call, fmt(gw.model.tokenizer, call.params.logprobs is not None), received)
-    await gw.admit(len(call.prompts))
+    raw = await read_body(request, gw.settings.max_body_bytes)
+    call = await request.app[TOKENIZING].run(raw, parse, gw.model)
+    await gw.admit(call)
+    generation = Generation(gw, call, fmt(gw.model.tokenizer, call.params.logprobs is not None), received,
+                            request_id(request))
     return await (generation.stream(request) if call.stream else generation.respond())
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, parse_completion, CompletionFormat)
+    return await _generate(request, params.parse_completion, CompletionFormat)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, parse_chat, ChatFormat)
+    return await _generate(request, params.parse_chat, ChatFormat)
+
+
+async def _tokenizer_call(request: web.Request, handle: Callable[[Any, ServedModel], dict]) -> web.Response:
+    gw = request.app[GATEWAY]
+    raw = await read_body(request, gw.settings.max_body_bytes)
+    return web.json_response(await request.app[TOKENIZING].run(raw, handle, gw.model))
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    return await _tokenizer_call(request, params.tokenize)
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    return await _tokenizer_call(request, params.detokenize)
+
+
+async def tokenizer_info(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    return web.json_response(gw.model.tokenizer.info(gw.model.max_model_len))
 
 
 async def models(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     return web.json_response({"object": "list", "data": [{
         "id": gw.model.name, "object": "model", "created": int(gw.started), "owned_by": "pagedserve",
-        "root": str(gw.model.path), "max_model_len": gw.model.max_model_len}]})
+        "root": gw.model.name, "max_model_len": gw.model.max_model_len}]})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -122,8 +223,15 @@ async def metrics(request: web.Request) -> web.Response:
     except BUS_ERRORS as e:
         log.warning("metrics without the scheduler's snapshot: %s", e)
         stats, alive = None, 0
-    body = gw.metrics.render(stats, alive, gw.waiting)
+    body = gw.metrics.render(stats, alive, gw.admission.waiting)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def _on_startup(app: web.Application) -> None:
+    gw = app[GATEWAY]
+    gw.bus.start()
+    # the chat-template renderer takes seconds to import: serve meanwhile (a chat request waits for it)
+    gw.spawn(asyncio.to_thread(gw.model.tokenizer.warm_up))
 
 
 async def _on_cleanup(app: web.Application) -> None:
@@ -131,19 +239,23 @@ async def _on_cleanup(app: web.Application) -> None:
     if gw.background:
         await asyncio.wait(list(gw.background), timeout=SHUTDOWN_TIMEOUT_S)
     await gw.bus.close()
-    app[TOKENIZER].shutdown(wait=False, cancel_futures=True)
+    app[TOKENIZING].shutdown()
 
 
 def build_app(gw: Gateway) -> web.Application:
     app = web.Application(client_max_size=gw.settings.max_body_bytes,
-                          middlewares=[errors_middleware, auth_middleware])
+                          middlewares=[request_id_middleware, errors_middleware, auth_middleware])
     app[GATEWAY] = gw
-    app[TOKENIZER] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+    app[TOKENIZING] = Tokenizing()
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/tokenizer_info", tokenizer_info)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.on_startup.append(_on_startup)
     app.on_cleanup.append(_on_cleanup)
     return app
 
@@ -153,12 +265,14 @@ async def create_app(settings: Settings, model: ServedModel | None = None) -> we
     if model is None:
         model = await asyncio.to_thread(ServedModel.load, settings)
     log.info("serving %s (max_model_len %d) from %s", model.name, model.max_model_len, model.path)
-    return build_app(Gateway(settings, model, Bus(settings.redis_url)))
+    bus = Bus(settings.redis_url, settings.redis_max_connections, settings.heartbeat_ttl)
+    admission = Admission(settings.max_waiting_requests, settings.max_call_tokens)
+    return build_app(Gateway(settings, model, bus, admission))
 
 
 def run(settings: Settings) -> int:
     """Serve until SIGINT/SIGTERM; in-flight requests are aborted on the bus as their handlers end."""
     log.info("gateway starting on http://%s:%d", settings.host, settings.port)
     web.run_app(create_app(settings), host=settings.host, port=settings.port, handler_cancellation=True,
-                shutdown_timeout=SHUTDOWN_TIMEOUT_S, print=None)
+                shutdown_timeout=SHUTDOWN_TIMEOUT_S, print=None, **SERVER_OPTIONS)
     return 0

@@ -1,4 +1,5 @@
-"""The gateway's side of the Redis bus: submit requests, read their token streams, abort, read state."""
+"""The gateway's side of the Redis bus: submit requests, read their token streams, abort, read state, and
+keep this gateway's heartbeat."""
 from __future__ import annotations
 
 import asyncio
@@ -6,7 +7,9 @@ import logging
 import uuid
 from dataclasses import dataclass
 
-from shared.bus import BLOCK_MS, RECONNECT_ERRORS, Backoff, connect_async, decode_entry
+from shared.bus import (
+    BLOCK_MS, RECONNECT_ERRORS, Backoff, connect_async, decode_entry, read_registry, registry_query, retry_async,
+)
 from shared.keys import CONTROL_MAXLEN, FIELD, Keys
 from shared.protocol import Abort, Assignment, ProtocolError, Request, SchedulerStats, TokenOutput, decode, encode
 
@@ -27,28 +30,45 @@ class Follower:
 class Bus:
     """The gateway's bus. One task reads every followed token stream with one blocking XREAD (one Redis
     connection however many requests stream) and routes each entry to its request's queue; a submission
-    also writes this gateway's wake stream, which that XREAD includes, so new streams join it at once."""
+    also writes this gateway's wake stream, which that XREAD includes, so new streams join it at once.
+    Everything else shares a pool of at most `max_connections`, where a burst waits for a free one."""
 
-    def __init__(self, url: str, keys: Keys | None = None) -> None:
+    def __init__(self, url: str, max_connections: int, heartbeat_ttl: float, keys: Keys | None = None) -> None:
         self.keys = keys or Keys()
-        self.client = connect_async(url)
+        self.heartbeat_ttl = heartbeat_ttl
+        self.instance = uuid.uuid4().hex  # the requests' gateway_id; names this gateway's keys
+        self.client = connect_async(url, max_connections=max_connections)
         self.reader = connect_async(url, blocking=True)
-        self.wake_key = self.keys.gateway_wake(uuid.uuid4().hex)
+        self.wake_key = self.keys.gateway_wake(self.instance)
+        self.alive_key = self.keys.gateway_alive(self.instance)
         self.wake_cursor: bytes | str = "0-0"
         self.followed: dict[str, Follower] = {}
         self.followed_changed = asyncio.Event()
         self.router: asyncio.Task | None = None
+        self.heartbeat: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Start this gateway's heartbeat: refreshed every heartbeat_ttl/4 until `close`. While the key exists,
+        the scheduler keeps the requests whose gateway_id is this instance."""
+        self.heartbeat = asyncio.get_running_loop().create_task(self._beat())
 
     async def close(self) -> None:
-        if self.router is not None:
-            self.router.cancel()
-            await asyncio.gather(self.router, return_exceptions=True)
+        for task in (self.router, self.heartbeat):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         try:
-            await self.client.delete(self.wake_key)
+            await self.client.delete(self.wake_key, self.alive_key)  # the scheduler aborts what is left at once
         except RECONNECT_ERRORS:
             pass
         await self.client.aclose()
         await self.reader.aclose()
+
+    async def _beat(self) -> None:
+        ttl_ms = max(int(self.heartbeat_ttl * 1000), 1)
+        while True:  # waits out Redis restarts
+            await retry_async(lambda: self.client.set(self.alive_key, b"1", px=ttl_ms), "the gateway heartbeat")
+            await asyncio.sleep(self.heartbeat_ttl / 4)
 
     async def submit(self, requests: list[Request]) -> None:
         async with self.client.pipeline(transaction=True) as pipe:  # all of a call's prompts or none
@@ -123,14 +143,8 @@ class Bus:
 
     async def live_workers(self) -> tuple[list[str], int]:
         """(ids of workers whose heartbeat key exists, number of registered workers)."""
-        registered = [w.decode() for w in await self.client.hkeys(self.keys.workers)]
-        if not registered:
-            return [], 0
-        async with self.client.pipeline(transaction=False) as pipe:
-            for worker_id in registered:
-                pipe.exists(self.keys.heartbeat(worker_id))
-            alive = await pipe.execute()
-        return sorted(w for w, up in zip(registered, alive) if up), len(registered)
+        registry = read_registry(await self.client.eval(*registry_query(self.keys)))
+        return sorted(w for w, _, alive in registry if alive), len(registry)
 
     async def stats(self) -> SchedulerStats | None:
         """The scheduler's latest snapshot, or None if there is none (or it is unreadable)."""

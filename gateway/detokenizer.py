@@ -21,6 +21,9 @@ class IncrementalDetokenizer:
     token_ids: list[int] = field(default_factory=list)
     prefix_offset: int = 0
     read_offset: int = 0
+    # Whole characters decoded but held back behind an unfinished one: the next token's text starts this many
+    # characters after what `add` has returned so far.
+    held: int = 0
 
     @classmethod
     def after_prompt(cls, decode: Callable[[list[int]], str], prompt_ids: list[int]) -> "IncrementalDetokenizer":
@@ -41,5 +44,7 @@ class IncrementalDetokenizer:
         full = self.decode(self.token_ids[self.prefix_offset:])
         if len(full) > len(prefix) and (final or not full.endswith(REPLACEMENT)):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+            self.held = 0
             return full[len(prefix):]
+        self.held = max(len(full.rstrip(REPLACEMENT)) - len(prefix), 0)
         return ""

@@ -1,6 +1,8 @@
-"""The served model as the gateway sees it: its id, limits and tokenizer (transformers, no torch import here)."""
+"""The served model as the gateway sees it: its id, limits and tokenizer (no torch, no transformers to start)."""
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -10,43 +12,143 @@ from shared.model_dir import max_model_len, read_config, resolve_model_dir, serv
 from shared.settings import Settings
 
 
-class Tokenizer:
-    """The few tokenizer operations the gateway needs, over a Hugging Face tokenizer."""
+BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
-    def __init__(self, hf: Any) -> None:
-        self.hf = hf
+
+def byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE spelling: the printable character that stands for each byte, read back."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+class Tokenizer:
+    """The tokenizer operations the gateway needs, on the checkpoint's Rust tokenizer (`tokenizer.json`) and
+    its `tokenizer_config.json`, as transformers' own tokenizer does them (the tests hold the two equal).
+
+    transformers itself is not imported to start: that alone takes seconds, and a restarted gateway should serve
+    within a second or two. Only chat templates are rendered by transformers' own renderer (its sandbox and
+    helpers, exactly), imported in the background once the gateway is up (`warm_up`)."""
+
+    def __init__(self, backend: Any, config: dict[str, Any], chat_template: str | None) -> None:
+        from tokenizers import decoders
+
+        self.backend = backend
+        self.clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
+        self.special_tokens = {name: _token_content(config[name]) for name in SPECIAL_TOKENS if config.get(name)}
+        self.tokenizer_class = str(config.get("tokenizer_class") or "PreTrainedTokenizerFast")
+        self.chat_template = chat_template
+        self.added = backend.get_added_tokens_decoder()
+        # A byte-level BPE vocabulary spells each byte as one printable character; reading that spelling back
+        # gives a token's exact bytes, which decoding alone turns into U+FFFD when they are not whole characters.
+        self.byte_of = byte_level_alphabet() if isinstance(backend.decoder, decoders.ByteLevel) else {}
+        self.texts: dict[int, str] = {}  # token_text's cache: at most one entry per vocabulary token
+        self._render = None
 
     @classmethod
     def load(cls, model_dir: Path) -> "Tokenizer":
-        # Imported here: transformers probes for torch on import, and gateway modules must import without it.
+        config_path = model_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        template_path = model_dir / "chat_template.jinja"
+        template = template_path.read_text() if template_path.is_file() else config.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if (model_dir / "tokenizer.json").is_file():
+            from tokenizers import Tokenizer as RustTokenizer
+
+            return cls(RustTokenizer.from_file(str(model_dir / "tokenizer.json")), config, template)
+        # A checkpoint with only a slow (e.g. SentencePiece) tokenizer: transformers converts it once here.
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(model_dir, local_files_only=True))
+        return cls(AutoTokenizer.from_pretrained(model_dir, local_files_only=True).backend_tokenizer, config, template)
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.hf(text, add_special_tokens=True)["input_ids"])
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def warm_up(self) -> None:
+        """Import transformers' chat-template renderer (seconds); call it off the event loop."""
+        if self._render is None and self.chat_template:
+            from transformers.utils.chat_template_utils import render_jinja_template
+
+            self._render = render_jinja_template
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        text = self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        if self.clean_up_spaces:  # transformers' clean_up_tokenization
+            for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                                  (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+                text = text.replace(before, after)
+        return text
+
+    def token_strs(self, token_ids: list[int]) -> list[str | None]:
+        """Each token's vocabulary entry (transformers' convert_ids_to_tokens)."""
+        return [self.backend.id_to_token(t) for t in token_ids]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (special tokens: their text)."""
+        added = self.added.get(token_id)
+        if added is not None:
+            return added.content.encode()
+        piece = self.backend.id_to_token(token_id) or ""
+        if self.byte_of and piece and all(c in self.byte_of for c in piece):
+            return bytes(self.byte_of[c] for c in piece)
+        if (byte := BYTE_FALLBACK.fullmatch(piece)) is not None:
+            return bytes([int(byte[1], 16)])
+        return self.decode([token_id], skip_special_tokens=False).encode()
 
     def token_text(self, token_id: int) -> str:
-        """One token as logprobs show it (special tokens included)."""
-        return self.hf.decode([token_id], skip_special_tokens=False)
+        """One token as logprobs show it: its text, or, when its bytes are no whole UTF-8 characters on their
+        own, vLLM's `bytes:` followed by them with the undecodable ones escaped (`bytes:\\xe6\\x9d`), so that
+        distinct tokens never read alike as U+FFFD."""
+        text = self.texts.get(token_id)
+        if text is None:
+            raw = self.token_bytes(token_id)
+            try:
+                text = raw.decode()
+            except UnicodeDecodeError:
+                text = "bytes:" + raw.decode("utf-8", "backslashreplace")
+            self.texts[token_id] = text
+        return text
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+    def info(self, max_model_len: int) -> dict[str, Any]:
+        """What /tokenizer_info tells (vLLM's fields a client such as lm-eval reads: the special tokens and the
+        chat template), all JSON."""
+        tokens = {name: self.special_tokens.get(name) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        return {"tokenizer_class": self.tokenizer_class, **tokens, "chat_template": self.chat_template,
+                "model_max_length": max_model_len, "vocab_size": self.vocab_size}
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                    add_special_tokens: bool = False) -> list[int]:
         """The chat template's token ids; 400 when the model has no template or it rejects the messages."""
-        if not getattr(self.hf, "chat_template", None):
+        if not self.chat_template:
             raise bad_request("this model has no chat template; use /v1/completions with a plain prompt",
                               param="messages", code="no_chat_template")
         from jinja2 import TemplateError
 
+        self.warm_up()
         try:
-            text = self.hf.apply_chat_template(messages, tokenize=False,
-                                               add_generation_prompt=add_generation_prompt)
+            rendered, _ = self._render([messages], chat_template=self.chat_template,
+                                       add_generation_prompt=add_generation_prompt, **self.special_tokens)
         except (TemplateError, ValueError, TypeError, KeyError) as e:
             raise bad_request(f"the chat template rejected the messages: {e}", param="messages") from None
-        # The template already wrote any BOS token, so no special tokens are added again.
-        return list(self.hf(text, add_special_tokens=False)["input_ids"])
+        # The template already writes any BOS token, so by default no special tokens are added again.
+        return self.encode(rendered[0], add_special_tokens)
+
+
+def _token_content(value: Any) -> str:
+    """A special token as tokenizer_config.json holds it: a string, or an AddedToken's fields."""
+    return value["content"] if isinstance(value, dict) else str(value)
 
 
 @dataclass(slots=True)
@@ -65,5 +167,5 @@ class ServedModel:
         vocab = config.get("text_config", config).get("vocab_size")
         return cls(name=served_model_name(path, settings.served_model_name), path=path,
                    max_model_len=max_model_len(config, settings.max_model_len),
-                   vocab_size=int(vocab) if isinstance(vocab, int) else len(tokenizer.hf),
+                   vocab_size=int(vocab) if isinstance(vocab, int) else tokenizer.vocab_size,
                    tokenizer=tokenizer)

@@ -6,12 +6,14 @@ silently dropped.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.detokenizer import IncrementalDetokenizer
 from gateway.errors import ApiError, bad_request
-from gateway.model import ServedModel
+from gateway.model import ServedModel, Tokenizer
 from shared.sampling import ParamError, SamplingParams
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -25,18 +27,28 @@ _KIND_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a 
 class Prompt:
     token_ids: list[int]
     text: str  # what `echo` shows
+    from_text: bool = True  # given as text (else as token ids, and `text` is their decoding)
+    text_offsets: list[int] | None = None  # per token, where its text starts in `text` (echo with logprobs)
 
 
 @dataclass(slots=True)
 class GenerateCall:
     model: str
     prompts: list[Prompt]
-    params: SamplingParams
+    params: SamplingParams  # as sent on the bus
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
     echo: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs` field: top k per prompt token
+    echo_logprobs: bool = False  # the choices' logprobs start with the prompt's (`echo` with `logprobs`)
+    hide_output: bool = False  # `max_tokens` 0 with `echo`: the bus makes one token, which is dropped
+
+    @property
+    def work(self) -> int:
+        """What the call queues, in tokens: prompts x n x (prompt tokens + max_tokens)."""
+        return self.params.n * sum(len(p.token_ids) + self.params.max_tokens for p in self.prompts)
 
 
 def parse_completion(body: Any, model: ServedModel) -> GenerateCall:
@@ -47,15 +59,23 @@ def parse_completion(body: Any, model: ServedModel) -> GenerateCall:
     prompts = _prompts(body.get("prompt"), model)
     echo = _get(body, "echo", bool, False)
     logprobs = _get(body, "logprobs", int, None)
-    if echo and logprobs is not None:
-        raise bad_request("`echo` together with `logprobs` needs prompt logprobs, which pagedserve does not "
-                          "compute; drop one of them", param="logprobs")
     max_tokens = _get(body, "max_tokens", int, None)
+    # As vLLM: with `echo`, max_tokens 0 answers the prompt alone (with its logprobs, if asked for).
+    hide_output = echo and max_tokens == 0
     params = _sampling(body, model, logprobs)
-    params.max_tokens = _fit_max_tokens(prompts, max_tokens, model, "prompt", COMPLETION_MAX_TOKENS)
+    params.max_tokens = _fit_max_tokens(prompts, 1 if hide_output else max_tokens, model, "prompt",
+                                        COMPLETION_MAX_TOKENS)
+    stream = _stream(body)
+    prompt_logprobs = _prompt_logprobs(body, stream[0])
+    echo_logprobs = echo and logprobs is not None
+    params.prompt_logprobs = max((k for k in (prompt_logprobs, logprobs if echo_logprobs else None) if k is not None),
+                                 default=None)
     _validate(params, {})
-    return GenerateCall(model.name, prompts, params, _stop(body), *_stream(body), echo,
-                        _get(body, "skip_special_tokens", bool, True))
+    if echo_logprobs:
+        for p in prompts:
+            p.text_offsets = _text_offsets(model.tokenizer, p)
+    return GenerateCall(model.name, prompts, params, _stop(body), *stream, echo,
+                        _get(body, "skip_special_tokens", bool, True), prompt_logprobs, echo_logprobs, hide_output)
 
 
 def parse_chat(body: Any, model: ServedModel) -> GenerateCall:
@@ -80,9 +100,72 @@ def parse_chat(body: Any, model: ServedModel) -> GenerateCall:
     max_tokens = _get(body, max_name, int, None)
     params = _sampling(body, model, (top or 0) if want else None)
     params.max_tokens = _fit_max_tokens(prompts, max_tokens, model, "messages", None, max_name)
+    stream = _stream(body)
+    params.prompt_logprobs = _prompt_logprobs(body, stream[0])
     _validate(params, renames)
-    return GenerateCall(model.name, prompts, params, _stop(body), *_stream(body), False,
-                        _get(body, "skip_special_tokens", bool, True))
+    return GenerateCall(model.name, prompts, params, _stop(body), *stream, False,
+                        _get(body, "skip_special_tokens", bool, True), params.prompt_logprobs)
+
+
+def tokenize(body: Any, model: ServedModel) -> dict[str, Any]:
+    """`POST /tokenize` in vLLM's shape: a `prompt` (special tokens added unless `add_special_tokens` is false) or
+    chat `messages` (rendered by the chat template, which writes its own)."""
+    body = _object(body)
+    _check_model(body, model)
+    if "messages" in body:
+        ids = model.tokenizer.render_chat(_messages(body.get("messages")),
+                                          _get(body, "add_generation_prompt", bool, True),
+                                          _get(body, "add_special_tokens", bool, False))
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise bad_request("`prompt` (a string) or `messages` is required", param="prompt")
+        ids = model.tokenizer.encode(_utf8(prompt, "prompt"), _get(body, "add_special_tokens", bool, True))
+    out: dict[str, Any] = {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids}
+    if _get(body, "return_token_strs", bool, False):
+        out["token_strs"] = model.tokenizer.token_strs(ids)
+    return out
+
+
+def detokenize(body: Any, model: ServedModel) -> dict[str, Any]:
+    """`POST /detokenize` in vLLM's shape: `tokens` back to their text, special tokens written out."""
+    body = _object(body)
+    _check_model(body, model)
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+        raise bad_request("`tokens` must be an array of token ids", param="tokens")
+    _check_ids(ids, model, "tokens")
+    return {"prompt": model.tokenizer.decode(ids, skip_special_tokens=False)}
+
+
+def _prompt_logprobs(body: dict[str, Any], stream: bool) -> int | None:
+    k = _get(body, "prompt_logprobs", int, None)
+    if k is not None and stream:
+        raise bad_request("`prompt_logprobs` are not available when `stream` is true", param="prompt_logprobs")
+    return k
+
+
+def _text_offsets(tokenizer: Tokenizer, prompt: Prompt) -> list[int]:
+    """Where each prompt token's text starts in the echoed prompt: after the whole characters the tokens before
+    it decode to (a token that continues a character starts where the character does).
+    Special tokens count as the echo shows them: written out when the prompt came as token ids, absent from
+    a text prompt (where the tokenizer added them)."""
+    detok = IncrementalDetokenizer(functools.partial(tokenizer.decode, skip_special_tokens=prompt.from_text))
+    offsets, length = [], 0
+    for token_id in prompt.token_ids:
+        offsets.append(length + detok.held)
+        length += len(detok.add(token_id))
+    return offsets
+
+
+def _utf8(text: str, param: str) -> str:
+    """The text, or 400 when it holds what JSON can carry but UTF-8 cannot: a lone surrogate (\\ud800)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as e:
+        raise bad_request(f"`{param}` holds a lone surrogate (U+{ord(e.object[e.start]):04X}), which is not "
+                          "text", param=param) from None
+    return text
 
 
 def _object(body: Any) -> dict[str, Any]:
@@ -148,10 +231,10 @@ def _prompts(raw: Any, model: ServedModel) -> list[Prompt]:
         if isinstance(item, str):
             if not item:
                 raise bad_request("`prompt` must not be empty", param="prompt")
-            prompts.append(Prompt(model.tokenizer.encode(item), item))
+            prompts.append(Prompt(model.tokenizer.encode(_utf8(item, "prompt")), item))
         elif isinstance(item, list) and item and all(type(t) is int for t in item):
             _check_ids(item, model, "prompt")
-            prompts.append(Prompt(list(item), model.tokenizer.decode(item, skip_special_tokens=False)))
+            prompts.append(Prompt(list(item), model.tokenizer.decode(item, skip_special_tokens=False), False))
         else:
             raise bad_request("each prompt must be a non-empty string or a non-empty list of token ids, "
                               f"not {_kind(item) if item != [] else 'an empty array'}", param="prompt")
@@ -184,7 +267,7 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
 
 def _content(raw: Any, i: int) -> str:
     if raw is None or isinstance(raw, str):
-        return raw or ""
+        return _utf8(raw or "", "messages")
     if isinstance(raw, list):
         parts = []
         for part in raw:
@@ -192,7 +275,7 @@ def _content(raw: Any, i: int) -> str:
                 raise bad_request(f"messages[{i}].content parts must be {{\"type\": \"text\", \"text\": ...}}; "
                                   "this server takes text only", param="messages")
             parts.append(part["text"])
-        return "".join(parts)
+        return _utf8("".join(parts), "messages")
     raise bad_request(f"messages[{i}].content must be a string or an array of text parts, not {_kind(raw)}",
                       param="messages")
 
@@ -202,7 +285,7 @@ def _stop(body: dict[str, Any]) -> list[str]:
     stops = [raw] if isinstance(raw, str) else raw if raw is not None else []
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise bad_request("`stop` must be a non-empty string or an array of non-empty strings", param="stop")
-    return stops
+    return [_utf8(s, "stop") for s in stops]
 
 
 def _stream(body: dict[str, Any]) -> tuple[bool, bool]:

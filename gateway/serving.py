@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -15,9 +16,10 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from gateway import sse
+from gateway.admission import Admission
 from gateway.bus import Bus
 from gateway.errors import ApiError
-from gateway.formats import ChatFormat, CompletionFormat, usage
+from gateway.formats import ChatFormat, CompletionFormat, prompt_records, usage, vllm_prompt_logprobs
 from gateway.generation import Delta, RequestTracker, TokenLogprob
 from gateway.metrics import Metrics
 from gateway.model import ServedModel
@@ -26,6 +28,7 @@ from shared.protocol import REJECTED, UNAVAILABLE, Assignment, Request, TokenOut
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
+REQUEST_ID = "X-Request-Id"
 RETRY_AFTER_S = 1
 BUS_ERRORS = (RedisError, OSError)  # redis-py wraps most socket errors, not all
 
@@ -44,42 +47,44 @@ def bus_unavailable(e: Exception) -> ApiError:
                     code="bus_unavailable")
 
 
+class CallLog(logging.LoggerAdapter):
+    """The log lines of one API call, led by its request id (the client's X-Request-Id, or one made for it)."""
+
+    def process(self, msg, kwargs):
+        return f"[{self.extra['request_id']}] {msg}", kwargs
+
+
 @dataclass(slots=True)
 class Gateway:
-    """What every handler shares: settings, the model, the bus, metrics, and the local waiting count."""
+    """What every handler shares: settings, the model, the bus, admission and metrics."""
     settings: Settings
     model: ServedModel
     bus: Bus
+    admission: Admission
     metrics: Metrics = field(default_factory=Metrics)
-    waiting: int = 0  # requests submitted by this gateway that have no first token yet
     started: float = field(default_factory=time.time)
     background: set[asyncio.Task] = field(default_factory=set)
 
     def spawn(self, coro) -> None:
-        """Run a bus write that must finish even if the handler that asked for it is cancelled."""
+        """Run work that must finish even if the handler that asked for it is cancelled (bus writes), or that
+        outlives any handler (the start-up warm-up)."""
         task = asyncio.get_running_loop().create_task(coro)
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
-    async def admit(self, count: int) -> None:
-        """Reserve `count` waiting places, or 429 once `max_waiting_requests` wait (here, or at the
-        scheduler per its fresh snapshot). The Generation that follows releases them."""
+    async def admit(self, call: GenerateCall) -> None:
+        """Reserve a waiting place per prompt of `call`, or 400/429 (see Admission), counting the scheduler's
+        waiting requests too while its snapshot is fresh. The Generation that follows releases them."""
+        self.admission.check_size(call.work)
         try:
             stats = await self.bus.stats()
         except BUS_ERRORS as e:
             raise bus_unavailable(e) from None
-        # Read the local count only now: other handlers ran during the await.
-        waiting = self.waiting
-        if stats is not None and time.time() - stats.time <= self.settings.heartbeat_ttl:
-            waiting = max(waiting, stats.waiting)
-        limit = self.settings.max_waiting_requests
-        if waiting >= limit:
-            raise ApiError(429, f"{waiting} requests are waiting, the limit is {limit}; retry in "
-                           f"{RETRY_AFTER_S} s", type="rate_limit_error", code="too_many_requests",
-                           headers={"Retry-After": str(RETRY_AFTER_S)})
-        self.waiting += count
+        now = time.time()
+        fresh = stats is not None and now - stats.time <= self.settings.heartbeat_ttl
+        self.admission.admit(len(call.prompts), stats.waiting if fresh else 0, now)
 
-    async def abort(self, rids: list[str], reason: str) -> None:
+    async def abort(self, rids: list[str], reason: str, log: logging.Logger | logging.LoggerAdapter) -> None:
         try:
             await self.bus.abort(rids, reason)
         except BUS_ERRORS as e:
@@ -89,38 +94,44 @@ class Gateway:
 class Generation:
     """One API call: its prompts become bus requests (`{id}-{i}`), their samples the response's choices."""
 
-    def __init__(self, gw: Gateway, call: GenerateCall, fmt: CompletionFormat | ChatFormat, received: float) -> None:
+    def __init__(self, gw: Gateway, call: GenerateCall, fmt: CompletionFormat | ChatFormat, received: float,
+                 request_id: str) -> None:
         self.gw = gw
         self.call = call
         self.fmt = fmt
         self.received = received
+        self.request_id = request_id
+        self.log = CallLog(log, {"request_id": request_id})
         self.id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(received)
         decode = functools.partial(gw.model.tokenizer.decode, skip_special_tokens=call.skip_special_tokens)
         self.trackers = [RequestTracker(f"{self.id}-{i}", call.params.n, call.params.max_tokens, p.token_ids, decode,
-                                        call.stop)
+                                        call.stop, prompt_logprobs=call.params.prompt_logprobs is not None,
+                                        hide_output=call.hide_output, logger=self.log)
                          for i, p in enumerate(call.prompts)]
         self.first_token: list[float | None] = [None] * len(self.trackers)
+        # (prompt index, entry of its stream, or the error that ended the reading), as the bus routes them
+        self.queue: asyncio.Queue[tuple[int, TokenOutput | Assignment | BaseException]] = asyncio.Queue()
 
     @property
     def prompt_tokens(self) -> int:
         return sum(len(p.token_ids) for p in self.call.prompts)
 
-    def usage(self) -> dict[str, int]:
-        return usage(self.prompt_tokens, sum(t.num_generated for t in self.trackers))
+    def usage(self) -> dict:
+        return usage(self.prompt_tokens, sum(t.num_generated for t in self.trackers),
+                     sum(t.num_cached_tokens for t in self.trackers))
 
     async def events(self) -> AsyncIterator[tuple[int, Delta]]:
         """(choice index, delta) as tokens arrive, until every choice has finished."""
         gw, n = self.gw, self.call.params.n
         arrival = time.time()
-        requests = [Request(t.rid, self.call.model, p.token_ids, self.call.params, arrival)
+        requests = [Request(t.rid, self.call.model, p.token_ids, self.call.params, arrival, gw.bus.instance)
                     for t, p in zip(self.trackers, self.call.prompts)]
         waiting = set(range(len(self.trackers)))  # places reserved by Gateway.admit
-        queue: asyncio.Queue[tuple[int, TokenOutput | Assignment | BaseException]] = asyncio.Queue()
         submitted = False
         try:
             for i, tracker in enumerate(self.trackers):
-                gw.bus.follow(tracker.rid, queue, i)
+                gw.bus.follow(tracker.rid, self.queue, i)
             try:
                 await gw.bus.submit(requests)
             except BUS_ERRORS as e:
@@ -128,15 +139,17 @@ class Generation:
             submitted = True
             gw.metrics.prompt_tokens.inc(self.prompt_tokens)
             while not all(t.finished for t in self.trackers):
-                i, out = await queue.get()
+                i, out = await self.queue.get()
                 if isinstance(out, BaseException):
                     raise out
                 tracker = self.trackers[i]
                 deltas = tracker.apply(out)
-                if i in waiting and (deltas or tracker.finished):
+                if i in waiting and (tracker.started or tracker.finished):
                     waiting.discard(i)
-                    gw.waiting -= 1
-                    self._first_token(i, arrival)
+                    if tracker.started:
+                        self._first_token(i, arrival)
+                    else:
+                        gw.admission.release(1)
                 if tracker.error is not None:
                     raise RequestFailed(tracker.error, sum(t.num_generated for t in self.trackers),
                                         tracker.error_kind)
@@ -144,13 +157,14 @@ class Generation:
                     yield i * n + delta.sample_index, delta
         finally:
             gw.bus.unfollow([t.rid for t in self.trackers])
-            gw.waiting -= len(waiting)
+            gw.admission.release(len(waiting))
             if submitted:
                 self._finish(arrival)
 
     def _first_token(self, i: int, arrival: float) -> None:
         now = time.time()
         self.first_token[i] = now
+        self.gw.admission.first_token(now)
         self.gw.metrics.ttft.observe(now - self.received)
         self.gw.metrics.queue.observe(now - arrival)
 
@@ -170,18 +184,32 @@ class Generation:
         if aborts:
             finished = [t for t in self.trackers if t.finished and t.error is None]
             reason = "stop string" if len(finished) == len(self.trackers) else "client gone or call failed"
-            self.gw.spawn(self.gw.abort(aborts, reason))
+            self.gw.spawn(self.gw.abort(aborts, reason, self.log))
 
-    def _choice_texts(self) -> list[str | None]:
-        """Per choice, the echoed prompt (completions with `echo`), else None."""
-        n = self.call.params.n
-        return [p.text if self.call.echo else None for p in self.call.prompts for _ in range(n)]
+    def _prefix(self, choice: int) -> tuple[str, list[TokenLogprob]]:
+        """What a choice's text and logprobs start with: with `echo`, the prompt and (with logprobs) its
+        tokens' logprobs; the prompt's tracker has them once its first token arrived."""
+        if not self.call.echo:
+            return "", []
+        i = choice // self.call.params.n
+        prompt, tracker = self.call.prompts[i], self.trackers[i]
+        if not self.call.echo_logprobs or tracker.prompt_logprobs is None:
+            return prompt.text, []
+        return prompt.text, prompt_records(prompt.token_ids, tracker.prompt_logprobs, prompt.text_offsets or [],
+                                           self.call.params.logprobs or 0)
+
+    def _vllm_prompt_logprobs(self, i: int) -> list | None:
+        tracker = self.trackers[i]
+        if tracker.prompt_logprobs is None:
+            return None
+        return vllm_prompt_logprobs(self.gw.model.tokenizer, self.call.prompts[i].token_ids, tracker.prompt_logprobs,
+                                    self.call.prompt_logprobs)
 
     async def respond(self) -> web.Response:
-        echo = self._choice_texts()
-        texts = ["" for _ in echo]
-        records: list[list[TokenLogprob]] = [[] for _ in echo]
-        ends: list[tuple[str | None, str | None]] = [(None, None)] * len(echo)
+        count = len(self.call.prompts) * self.call.params.n
+        texts = ["" for _ in range(count)]
+        records: list[list[TokenLogprob]] = [[] for _ in range(count)]
+        ends: list[tuple[str | None, str | None]] = [(None, None)] * count
         try:
             async with contextlib.aclosing(self.events()) as events:
                 async for index, delta in events:
@@ -190,67 +218,96 @@ class Generation:
                     ends[index] = (delta.finish_reason, delta.stop_reason)
         except RequestFailed as e:
             raise _failure(e) from None
-        choices = [self.fmt.choice(i, (echo[i] or "") + texts[i], records[i], *ends[i]) for i in range(len(echo))]
-        return web.json_response({"id": self.id, "object": self.fmt.object, "created": self.created,
-                                  "model": self.call.model, "choices": choices, "usage": self.usage()})
+        choices = []
+        for i in range(count):
+            text, prefix = self._prefix(i)
+            choices.append(self.fmt.choice(i, text + texts[i], prefix + _shifted(records[i], len(text)), *ends[i]))
+        body = {"id": self.id, "object": self.fmt.object, "created": self.created, "model": self.call.model,
+                "choices": choices, "usage": self.usage()}
+        if self.call.prompt_logprobs is not None:
+            per_prompt = [self._vllm_prompt_logprobs(i) for i in range(len(self.call.prompts))]
+            if self.fmt.prompt_logprobs_on_choices:
+                for i, choice in enumerate(choices):
+                    choice["prompt_logprobs"] = per_prompt[i // self.call.params.n]
+            else:
+                body["prompt_logprobs"] = per_prompt[0]
+        return web.json_response(body)
 
     def _chunk(self, choices: list[dict]) -> bytes:
         return sse.event({"id": self.id, "object": self.fmt.chunk_object, "created": self.created,
                           "model": self.call.model, "choices": choices})
 
+    async def _open(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers=sse.HEADERS | {REQUEST_ID: self.request_id})
+        await response.prepare(request)
+        return response
+
     async def stream(self, request: web.Request) -> web.StreamResponse:
         response: web.StreamResponse | None = None
-
-        async def open_stream() -> web.StreamResponse:
-            # Headers go out with the first token, so a request rejected before any gets a plain 4xx.
-            resp = web.StreamResponse(headers=sse.HEADERS)
-            await resp.prepare(request)
-            for i, text in enumerate(self._choice_texts()):
-                if (choice := self.fmt.opening(i, text)) is not None:
-                    await _send(resp, self._chunk([choice]))
-            return resp
-
+        echoed: dict[int, int] = {}  # per opened choice, the length of its echoed text
+        events_ready: list[bytes] = []  # written together while more tokens wait in the queue: one write, not one each
         try:
             async with contextlib.aclosing(self.events()) as events:
                 async for index, delta in events:
                     if response is None:
-                        response = await open_stream()
-                    if delta.text or delta.finish_reason or self.fmt.want_logprobs:
-                        await _send(response, self._chunk([self.fmt.chunk_choice(
-                            index, delta.text, delta.logprobs, delta.finish_reason, delta.stop_reason)]))
+                        # Headers go out with the first token, so a request rejected before any gets a plain 4xx.
+                        response = await self._open(request)
+                    if index not in echoed:
+                        text, prefix = self._prefix(index)
+                        echoed[index] = len(text)
+                        opening = self.fmt.opening(index, text if self.call.echo else None, prefix)
+                        if opening is not None:
+                            events_ready.append(self._chunk([opening]))
+                    # One event per token, with empty text while its characters are unfinished or held back
+                    # by a stop string, so that clients see every token arrive.
+                    events_ready.append(self._chunk([self.fmt.chunk_choice(
+                        index, delta.text, _shifted(delta.logprobs, echoed[index]), delta.finish_reason,
+                        delta.stop_reason)]))
+                    if self.queue.empty():
+                        await _send(response, events_ready)
             if response is None:
-                response = await open_stream()
+                response = await self._open(request)
             if self.call.include_usage:
-                await _send(response, sse.event({"id": self.id, "object": self.fmt.chunk_object,
-                                                 "created": self.created, "model": self.call.model,
-                                                 "choices": [], "usage": self.usage()}))
-            await _send(response, sse.DONE)
+                events_ready.append(sse.event({"id": self.id, "object": self.fmt.chunk_object,
+                                               "created": self.created, "model": self.call.model,
+                                               "choices": [], "usage": self.usage()}))
+            events_ready.append(sse.DONE)
+            await _send(response, events_ready)
             await response.write_eof()
         except ClientGone:
-            log.info("the client of %s went away mid-stream", self.id)
+            self.log.info("the client of %s went away mid-stream", self.id)
         except Exception as e:
-            error = _as_api_error(e, self.id)
+            error = _as_api_error(e, self.id, self.log)
             if response is None:
                 raise error from None
             # Headers are gone already: the error travels as a last event, as OpenAI's streams do.
-            with contextlib.suppress(ConnectionResetError):
-                await response.write(sse.event(error.body()))
-                await response.write(sse.DONE)
+            with contextlib.suppress(ClientGone):
+                await _send(response, events_ready + [sse.event(error.body()), sse.DONE])
         return response
+
+
+def _shifted(records: list[TokenLogprob], offset: int) -> list[TokenLogprob]:
+    """Records whose text offsets count from `offset` characters before the generated text (the echo)."""
+    if not offset:
+        return records
+    return [dataclasses.replace(r, text_offset=r.text_offset + offset) for r in records]
 
 
 class ClientGone(Exception):
     """Writing to the client failed: it disconnected."""
 
 
-async def _send(response: web.StreamResponse, data: bytes) -> None:
+async def _send(response: web.StreamResponse, events: list[bytes]) -> None:
+    """Write `events` in one go, and empty the list."""
+    data = b"".join(events)
+    events.clear()
     try:
         await response.write(data)
     except ConnectionResetError:
         raise ClientGone from None
 
 
-def _as_api_error(e: Exception, call_id: str) -> ApiError:
+def _as_api_error(e: Exception, call_id: str, log: CallLog) -> ApiError:
     if isinstance(e, RequestFailed):
         return _failure(e)
     if isinstance(e, ApiError):

@@ -1,7 +1,9 @@
 """Redis connections for the services: the timeouts, retries and backoff every service uses.
 
 Blocking stream reads get their own client whose socket timeout outlasts the block time: redis-py 8
-defaults `socket_timeout` to 5 s, which would cut a longer XREAD short.
+defaults `socket_timeout` to 5 s, which would cut a longer XREAD short. A client given `max_connections`
+opens at most that many and makes a command wait for a free one, where redis-py's default pool fails
+("Too many connections") under a burst.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from shared.protocol import Message, ProtocolError, decode
 
 BLOCK_MS = 1000  # longest blocking read; services wake at least this often to check their state
 _TIMEOUT = 5.0
+POOL_WAIT_S = 20.0  # how long a command waits for a free connection of a bounded pool before it fails
 RECONNECT_ERRORS = (redis.ConnectionError, redis.TimeoutError, ConnectionError, OSError)
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -37,11 +40,15 @@ def connect(url: str, *, blocking: bool = False) -> redis.Redis:
     return redis.Redis.from_url(url, retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3), **_options(blocking))
 
 
-def connect_async(url: str, *, blocking: bool = False) -> redis.asyncio.Redis:
+def connect_async(url: str, *, blocking: bool = False, max_connections: int | None = None) -> redis.asyncio.Redis:
     from redis.asyncio.retry import Retry
 
-    return redis.asyncio.Redis.from_url(url, retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
-                                        **_options(blocking))
+    options = dict(retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3), **_options(blocking))
+    if max_connections is None:
+        return redis.asyncio.Redis.from_url(url, **options)
+    pool = redis.asyncio.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=POOL_WAIT_S,
+                                                         **options)
+    return redis.asyncio.Redis.from_pool(pool)
 
 
 @dataclass(slots=True)

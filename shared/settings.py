@@ -59,6 +59,10 @@ class Settings:
     port: int = _opt(8000, "port the gateway listens on")
     api_key: str = _opt("", "if set, clients must send `Authorization: Bearer <key>`")
     max_waiting_requests: int = _opt(1024, "requests waiting beyond this get 429")
+    max_call_tokens: int = _opt(1 << 20, "most work one API call may queue: its prompts x n x (prompt tokens + "
+                                "max_tokens); a call over it gets 400")
+    redis_max_connections: int = _opt(16, "Redis connections the gateway opens at most for its requests (more "
+                                      "wait for a free one); its token stream reader has one of its own")
     max_body_bytes: int = _opt(4 << 20, "largest request body accepted")
     log_level: str = _opt("info", "log level", ("debug", "info", "warning", "error"))
 
@@ -77,7 +81,8 @@ class Settings:
             raise SettingsError(f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
         if not 0.0 <= self.watermark < 1.0:
             raise SettingsError(f"watermark must be in [0, 1); got {self.watermark}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "max_body_bytes"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "max_body_bytes",
+                     "max_call_tokens", "redis_max_connections"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be at least 1; got {getattr(self, name)}")
         for name in ("max_model_len", "num_blocks", "kv_cache_bytes", "swap_space_bytes"):

@@ -5,11 +5,14 @@ chat (whole and streamed), stop strings and aborts, failures, disconnects, and a
 from __future__ import annotations
 
 import asyncio
+import codecs
 import dataclasses
+import gzip
 import json
 import shutil
 import threading
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -23,17 +26,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.app import create_app
+from gateway.app import SERVER_OPTIONS, create_app
 from gateway.model import ServedModel
 from shared.keys import FIELD, Keys
 from shared.protocol import (
-    FAILED, REJECTED, UNAVAILABLE, Abort, Assignment, Request, SchedulerStats, TokenOutput, WorkerRegistration, WorkerStats,
-    decode, encode,
+    FAILED, REJECTED, UNAVAILABLE, Abort, Assignment, PromptLogprob, Request, SchedulerStats, TokenOutput,
+    WorkerRegistration, WorkerStats, decode, encode,
 )
 from shared.settings import Settings
 
 KEYS = Keys()
-Script = Callable[[Request], list[TokenOutput]]
+Script = Callable[[Request], list[TokenOutput | Assignment]]
 
 
 def as_placed(req: Request, outs: list[TokenOutput]) -> list[Assignment | TokenOutput]:
@@ -44,11 +47,13 @@ def as_placed(req: Request, outs: list[TokenOutput]) -> list[Assignment | TokenO
 
 
 class Driver:
-    """The scheduler's side of the bus for tests: each request gets the entries `script` returns, as placed."""
+    """The scheduler's side of the bus for tests: each request gets the entries `script` returns, as placed
+    (or, with `place` False, exactly as returned: a script that forges entries writes its own Assignment)."""
 
-    def __init__(self, url: str, script: Script) -> None:
+    def __init__(self, url: str, script: Script, place: bool = True) -> None:
         self.url = url
         self.script = script
+        self.place = place
         self.requests: list[Request] = []
 
     async def run(self) -> None:
@@ -61,8 +66,11 @@ class Driver:
                         cursor = entry_id
                         req = decode(fields[FIELD.encode()], Request)
                         self.requests.append(req)
-                        for entry in as_placed(req, self.script(req)):
-                            await client.xadd(KEYS.out(req.rid), {FIELD: encode(entry)})
+                        entries = self.script(req)
+                        async with client.pipeline(transaction=False) as pipe:
+                            for entry in as_placed(req, entries) if self.place else entries:
+                                pipe.xadd(KEYS.out(req.rid), {FIELD: encode(entry)})
+                            await pipe.execute()
         finally:
             await client.aclose()
 
@@ -80,10 +88,11 @@ class Reply:
 class LiveGateway:
     """The gateway app on a background event loop, reachable over real HTTP (an aiohttp client on the loop)."""
 
-    def __init__(self, settings: Settings, model: ServedModel, script: Script | None = None) -> None:
+    def __init__(self, settings: Settings, model: ServedModel, script: Script | None = None,
+                 place: bool = True) -> None:
         self.settings = settings
         self.model = model
-        self.driver = Driver(settings.redis_url, script) if script else None
+        self.driver = Driver(settings.redis_url, script, place) if script else None
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
@@ -96,8 +105,8 @@ class LiveGateway:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(120)
 
     async def _start(self) -> None:
-        self.server = TestServer(await create_app(self.settings, self.model))  # cancels handlers on disconnect
-        await self.server.start_server()
+        self.server = TestServer(await create_app(self.settings, self.model))
+        await self.server.start_server(**SERVER_OPTIONS)  # it cancels handlers on disconnect, as `run` does
         self.url = str(self.server.make_url("")).rstrip("/")
         self.session = aiohttp.ClientSession()
         self.driver_task = asyncio.create_task(self.driver.run()) if self.driver else None
@@ -138,12 +147,31 @@ def wait_until(predicate: Callable[[], object], what: str, timeout: float = 30.0
 
 
 def tokens(model: ServedModel, text: str) -> list[int]:
-    return model.tokenizer.hf(text, add_special_tokens=False)["input_ids"]
+    return model.tokenizer.encode(text, add_special_tokens=False)
+
+
+def prompt_logprobs_of(prompt_ids: list[int], k: int | None) -> list[PromptLogprob] | None:
+    """What a worker would say of the prompt, made up but regular: prompt token j has logprob -j/8, and is
+    the likeliest at odd j (rank 1) and second to token 9 at even j (rank 2); the top holds k tokens."""
+    if k is None:
+        return None
+    out = []
+    for j, t in enumerate(prompt_ids[1:], 1):
+        lp = -j / 8
+        rivals = [(u, lp - 1 - m) for m, u in enumerate(u for u in (7, 8, 9, 10, 11) if u != t)]
+        top = [(t, lp)] + rivals if j % 2 else [(9 if t != 9 else 10, lp + 0.5), (t, lp)] + rivals
+        out.append(PromptLogprob(lp, 1 if j % 2 else 2, top[:k]))
+    return out
+
+
+def cached_tokens_of(req: Request) -> int:
+    return len(req.prompt_token_ids) // 2
 
 
 def answer(model: ServedModel, texts: list[str], finish: str | None = "length", error: str | None = None,
            error_kind: str = FAILED) -> Script:
-    """Sample i streams the tokens of texts[i % len(texts)]; `finish` None leaves it running on the bus."""
+    """Sample i streams the tokens of texts[i % len(texts)]; `finish` None leaves it running on the bus. Each
+    sample's first token carries the prompt's cached tokens and, when asked for, its logprobs."""
     def script(req: Request) -> list[TokenOutput]:
         outs = []
         for s in range(req.params.n if texts else 0):
@@ -152,12 +180,20 @@ def answer(model: ServedModel, texts: list[str], finish: str | None = "length", 
             ids = ids[:req.params.max_tokens]
             for i, t in enumerate(ids):
                 end = ("length" if cut else finish) if i == len(ids) - 1 else None
+                first = dict(num_cached_tokens=cached_tokens_of(req),
+                             prompt_logprobs=prompt_logprobs_of(req.prompt_token_ids, req.params.prompt_logprobs))
                 outs.append(TokenOutput(req.rid, s, i, t, logprob=-0.25 * (i + 1),
-                                        top_logprobs=[(t, -0.25 * (i + 1)), (7, -3.0)], finish_reason=end))
+                                        top_logprobs=[(t, -0.25 * (i + 1)), (7, -3.0)], finish_reason=end,
+                                        **(first if i == 0 else {})))
         if error is not None:
             outs.append(TokenOutput(req.rid, -1, 0, 0, finish_reason="error", error=error, error_kind=error_kind))
         return outs
     return script
+
+
+def bytes_of(token: str) -> bytes:
+    """A logprob token's bytes: its text, or after vLLM's `bytes:` its text with \\xNN escapes for raw bytes."""
+    return codecs.escape_decode(token.removeprefix("bytes:").encode())[0] if token.startswith("bytes:") else token.encode()
 
 
 def aborts(url: str) -> list[Abort]:
@@ -212,7 +248,12 @@ INVALID = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2 ** 70}, 400, "max_tokens", "64-bit"),
     ("/v1/completions", {"prompt": "hi", "seed": -1}, 400, "seed", "seed"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs", "[0, 20]"),
-    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "logprobs", "echo"),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs", "[0, 20]"),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs", "stream"),
+    ("/v1/completions", {"prompt": "a\ud800b"}, 400, "prompt", "lone surrogate (U+D800)"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["ok", "\udfff"]}, 400, "stop", "lone surrogate"),
+    ("/v1/completions", {"prompt": ["hi"] * 1100, "n": 128, "max_tokens": 64}, 400, None, "max_call_tokens"),
+    ("/v1/completions", {"prompt": [[5]] * 1025}, 400, "prompt", "max_waiting_requests"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty", "[-2.0, 2.0]"),
     ("/v1/completions", {"prompt": "hi", "frequency_penalty": -3}, 400, "frequency_penalty", "[-2.0, 2.0]"),
     ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty", "(0, 2]"),
@@ -236,6 +277,17 @@ INVALID = [
     ("/v1/chat/completions", {"messages": HI, "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
     ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
     ("/v1/chat/completions", {"messages": HI, "model": 7}, 400, "model", "string"),
+    ("/v1/chat/completions", {"messages": HI, "prompt_logprobs": 2, "stream": True}, 400, "prompt_logprobs", "stream"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages", "surrogate"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a\udbff"}]}]},
+     400, "messages", "surrogate"),
+    ("/tokenize", {}, 400, "prompt", "required"),
+    ("/tokenize", {"prompt": "\ud800"}, 400, "prompt", "surrogate"),
+    ("/tokenize", {"model": "gpt-9", "prompt": "x"}, 404, "model", "gpt-9"),
+    ("/tokenize", {"messages": "hi"}, 400, "messages", "array"),
+    ("/detokenize", {"tokens": [1, 99999]}, 400, "tokens", "99999"),
+    ("/detokenize", {"tokens": "1 2"}, 400, "tokens", "array"),
+    ("/detokenize", b"[", 400, None, "not valid JSON"),
 ]
 
 
@@ -275,15 +327,19 @@ def test_a_model_without_chat_template_gets_a_clear_400(base, tiny_model_dir, tm
         check_error(gw.post("/v1/completions", json={"prompt": "hi", "n": 0}), 400, "n")
 
 
-def test_api_key_guards_the_v1_routes_only(base, model):
+def test_api_key_guards_every_route_but_health_and_metrics(base, model):
     with LiveGateway(base.replace(api_key="sekret"), model) as gw:
         check_error(gw.get("/v1/models"), 401, None, "API key")
         check_error(gw.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401, None)
         check_error(gw.post("/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "sekret"}),
                     401, None)
+        check_error(gw.post("/tokenize", json={"prompt": "hi"}), 401, None)
+        check_error(gw.get("/tokenizer_info"), 401, None)
         ok = gw.get("/v1/models", headers={"Authorization": "Bearer sekret"})
         assert ok.status == 200 and ok.json()["data"][0]["id"] == model.name
         assert ok.json()["data"][0]["max_model_len"] == model.max_model_len
+        assert ok.json()["data"][0]["root"] == model.name, "the model id, not a path on the server"
+        assert gw.post("/tokenize", json={"prompt": "hi"}, headers={"Authorization": "Bearer sekret"}).status == 200
         assert gw.get("/health").status == 503  # health and metrics need no key
         assert gw.get("/metrics").status == 200
 
@@ -363,13 +419,14 @@ def test_completion_whole_and_streamed_with_usage_logprobs_and_params(base, mode
     (choice,) = whole["choices"]
     assert choice["text"] == text and choice["finish_reason"] == "length" and choice["index"] == 0
     assert whole["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": n_tokens,
-                              "total_tokens": len(prompt_ids) + n_tokens}
+                              "total_tokens": len(prompt_ids) + n_tokens,
+                              "prompt_tokens_details": {"cached_tokens": len(prompt_ids) // 2}}
     lp = choice["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n_tokens
     assert lp["token_logprobs"] == [-0.25 * (i + 1) for i in range(n_tokens)]
     assert all(top[tok] == val for tok, val, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]))
     assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
-    assert model.tokenizer.decode(tokens(model, text)) == "".join(lp["tokens"]) or "\ufffd" in "".join(lp["tokens"])
+    assert b"".join(map(bytes_of, lp["tokens"])) == text.encode(), "the tokens spell the text, byte for byte"
 
     assert streamed.status == 200 and streamed.headers["content-type"] == "text/event-stream"
     events = sse_events(streamed.text)
@@ -395,9 +452,11 @@ def test_several_prompts_with_n_and_echo_give_one_choice_per_prompt_and_sample(b
     assert [c["index"] for c in resp["choices"]] == [0, 1, 2, 3]
     assert [c["text"] for c in resp["choices"]] == [echoed[i // 2] + texts[i % 2] for i in range(4)]
     generated = 2 * sum(len(tokens(model, t)) for t in texts)
-    prompt_tokens = len(model.tokenizer.encode("Alpha")) + 3
+    alpha = len(model.tokenizer.encode("Alpha"))
+    prompt_tokens = alpha + 3
     assert resp["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
-                             "total_tokens": prompt_tokens + generated}
+                             "total_tokens": prompt_tokens + generated,
+                             "prompt_tokens_details": {"cached_tokens": alpha // 2 + 3 // 2}}, "summed over prompts"
     assert rids[:2] == [f"{resp['id']}-0", f"{resp['id']}-1"]
     by_index = ["", "", "", ""]
     for event in sse_events(streamed.text)[:-1]:
@@ -510,20 +569,28 @@ def test_the_streams_of_many_requests_are_read_on_one_connection(base, model, re
         wait_until(lambda: len(aborts(redis_url)) == 20, "every stream's abort")
 
 
-def test_backpressure_answers_429_with_retry_after(base, model, redis_url):
+def test_backpressure_answers_429_with_retry_after_spread_by_jitter(base, model, redis_url):
     r = redis.Redis.from_url(redis_url)
     with LiveGateway(base.replace(max_waiting_requests=2), model) as gw:  # no driver: requests stay waiting
         hanging = [asyncio.run_coroutine_threadsafe(gw.request("POST", "/v1/completions", {"prompt": "hi"},
                                                                timeout=5), gw.loop) for _ in range(2)]
         wait_until(lambda: r.xlen(KEYS.requests) == 2, "two waiting requests")
-        resp = gw.post("/v1/completions", json={"prompt": "hi"})
-        error = check_error(resp, 429, None, "2 requests are waiting", "limit is 2")
-        assert resp.headers["Retry-After"] == "1" and error["type"] == "rate_limit_error"
+        turned_away = [gw.post("/v1/completions", json={"prompt": "hi"}) for _ in range(20)]
         for future in hanging:
             with pytest.raises(asyncio.TimeoutError):
                 future.result(30)
         wait_until(lambda: len(aborts(redis_url)) == 2, "aborts of the two abandoned requests")
     assert r.xlen(KEYS.requests) == 2
+    waits_ms = []
+    for resp in turned_away:
+        error = check_error(resp, 429, None, "2 requests are waiting", "limit is 2")
+        assert error["type"] == "rate_limit_error"
+        ms = int(resp.headers["retry-after-ms"])
+        assert int(resp.headers["Retry-After"]) == -(-ms // 1000), "whole seconds, rounded up"
+        waits_ms.append(ms)
+    # Nothing has left the queue yet: one request to drain at the assumed 1/s, with +-50 % jitter.
+    assert all(500 <= ms <= 1500 for ms in waits_ms), waits_ms
+    assert len(set(waits_ms)) >= 15 and max(waits_ms) - min(waits_ms) >= 300, f"retries spread out: {waits_ms}"
 
 
 def test_a_waiting_request_survives_a_redis_restart(own_redis, tiny_model_dir, model):
@@ -543,49 +610,207 @@ def test_a_waiting_request_survives_a_redis_restart(own_redis, tiny_model_dir, m
     assert reply.json()["choices"][0]["text"] == text
 
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+def forged_around(model: ServedModel, text: str) -> Script:
+    """`text` from the assigned worker w0 (epoch 1), interleaved with what a process that can write to Redis
+    might add: a huge output index, tokens of a worker the request is not assigned to, a stale epoch, an
+    older assignment; and after the scheduler's end entry, more tokens and an error end."""
+    def script(req: Request) -> list[TokenOutput | Assignment]:
+        ids, evil = tokens(model, text), tokens(model, " EVIL")
+        half = len(ids) // 2
+        good = [TokenOutput(req.rid, 0, i, t, worker_id="w0", epoch=1,
+                            finish_reason="length" if i == len(ids) - 1 else None) for i, t in enumerate(ids)]
+        forged = [TokenOutput(req.rid, 0, 10**9, evil[0], worker_id="w0", epoch=1),
+                  TokenOutput(req.rid, 0, half, evil[0], worker_id="intruder", epoch=1),
+                  TokenOutput(req.rid, 0, half, evil[0], worker_id="w0", epoch=0),
+                  Assignment(req.rid, "intruder", 0),
+                  TokenOutput(req.rid, 0, half, evil[0], worker_id="intruder", epoch=0)]
+        end = TokenOutput(req.rid, -1, 0, 0, finish_reason="length")
+        after = [TokenOutput(req.rid, 0, len(ids), evil[0], worker_id="w0", epoch=1),
+                 TokenOutput(req.rid, -1, 0, 0, finish_reason="error", error="EVIL", error_kind=FAILED)]
+        return [Assignment(req.rid, "w0", 1), *good[:half], *forged, *good[half:-1],
+                dataclasses.replace(good[-1], finish_reason=None), end, *after]
+    return script
+
+
+def test_forged_bus_entries_never_reach_the_client(base, model, caplog):
+    text = "the real answer 東京"
+    with LiveGateway(base, model, forged_around(model, text), place=False) as gw:
+        whole = gw.post("/v1/completions", json={"prompt": "hi", "max_tokens": 40},
+                        headers={"X-Request-Id": "trace-42"})
+        streamed = gw.post("/v1/completions", json={"prompt": "hi", "max_tokens": 40, "stream": True})
+    assert whole.status == 200, whole.text
+    (choice,) = whole.json()["choices"]
+    assert (choice["text"], choice["finish_reason"]) == (text, "length")
+    assert whole.json()["usage"]["completion_tokens"] == len(tokens(model, text))
+    events = sse_events(streamed.text)
+    assert events[-1] == "[DONE]" and not any("error" in json.loads(e) for e in events[:-1])
+    assert "".join(ch["text"] for e in events[:-1] for ch in json.loads(e)["choices"]) == text
+    dropped = [r.getMessage() for r in caplog.records if "dropped an entry" in r.getMessage()]
+    assert sum(m.startswith("[trace-42] ") for m in dropped) == 5, "each forgery logged under the call's id"
+
+
+def test_a_burst_of_1024_gets_200_or_429_and_leaves_few_connections(base, model, redis_url):
+    async def burst(gw: LiveGateway, count: int) -> list[int]:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            async def one(i: int) -> int:
+                async with session.post(gw.url + "/v1/completions", json={"prompt": f"{i} hi", "max_tokens": 4},
+                                        timeout=aiohttp.ClientTimeout(total=120)) as resp:
+                    await resp.read()
+                    return resp.status
+            return list(await asyncio.gather(*(one(i) for i in range(count))))
+
+    r = redis.Redis.from_url(redis_url)
+    before = len(r.client_list())  # this client and any other test's still closing
+    with LiveGateway(base, model, answer(model, ["ok"])) as gw:
+        for count in (256, 1024):
+            statuses = gw.run(burst(gw, count))
+            assert set(statuses) <= {200, 429}, {s: statuses.count(s) for s in set(statuses)}
+            assert statuses.count(200) >= count // 4
+        after = gw.post("/v1/completions", json={"prompt": "still there?"})
+        assert after.status == 200 and after.json()["choices"][0]["text"] == "ok"
+        # The driver's, the gateway's stream reader and heartbeat, and its bounded pool.
+        assert len(r.client_list()) - before <= base.redis_max_connections + 3
+
+
+def test_the_gateway_keeps_a_heartbeat_and_tags_its_requests(base, model, redis_url):
+    r = redis.Redis.from_url(redis_url)
+    with LiveGateway(base.replace(heartbeat_ttl=0.8), model, answer(model, ["ok"])) as gw:
+        (key,) = wait_until(lambda: r.keys(KEYS.gateway_alive("*")), "the gateway's heartbeat key")
+        instance = key.decode().split(":")[-2]
+        for _ in range(12):  # 2.4 s, three TTLs: it must be refreshed to stay
+            assert 0 < r.pttl(key) <= 800
+            time.sleep(0.2)
+        assert gw.post("/v1/completions", json={"prompt": "hi"}).status == 200
+        assert gw.driver.requests[0].gateway_id == instance
+    assert r.keys(KEYS.gateway_alive("*")) == [], "a clean shutdown deletes it at once"
+
+
+def test_a_body_that_is_not_what_its_content_encoding_says_gets_400(base, model):
+    body = json.dumps({"prompt": "hi"}).encode()
+    with LiveGateway(base, model, answer(model, ["ok"])) as gw:
+        for encoding in ("gzip", "deflate"):
+            check_error(gw.post("/v1/completions", content=b"not compressed", headers={"Content-Encoding": encoding}),
+                        400, None, f"not {encoding}")
+        check_error(gw.post("/v1/completions", content=gzip.compress(body)[:-9], headers={"Content-Encoding": "gzip"}),
+                    400, None, "cut short")
+        check_error(gw.post("/v1/completions", content=body, headers={"Content-Encoding": "br"}), 415, None, "'br'")
+        bomb = gzip.compress(b" " * (base.max_body_bytes + 1))
+        check_error(gw.post("/v1/completions", content=bomb, headers={"Content-Encoding": "gzip"}), 413, None)
+        for compressed, encoding in ((gzip.compress(body), "gzip"), (zlib.compress(body), "deflate")):
+            good = gw.post("/v1/completions", content=compressed, headers={"Content-Encoding": encoding})
+            assert good.status == 200 and good.json()["choices"][0]["text"] == "ok"
+
+
+def test_request_ids_are_honoured_or_made_and_returned(base, model):
+    with LiveGateway(base, model, answer(model, ["ok"])) as gw:
+        body = {"prompt": "hi"}
+        assert gw.post("/v1/completions", json=body, headers={"X-Request-Id": "abc-1"}).headers["X-Request-Id"] == "abc-1"
+        streamed = gw.post("/v1/completions", json=body | {"stream": True}, headers={"X-Request-Id": "abc-2"})
+        assert streamed.headers["X-Request-Id"] == "abc-2"
+        error = gw.post("/v1/completions", json={"prompt": ""}, headers={"X-Request-Id": "abc-3"})
+        assert error.status == 400 and error.headers["X-Request-Id"] == "abc-3"
+        made = {gw.post("/v1/completions", json=body).headers["X-Request-Id"] for _ in range(3)}
+        unusable = gw.post("/v1/completions", json=body, headers={"X-Request-Id": "x" * 200})
+        made.add(unusable.headers["X-Request-Id"])
+    assert len(made) == 4 and all(len(m) == 32 and int(m, 16) >= 0 for m in made), made
+
+
+def test_streams_send_an_event_for_every_token_even_one_without_text(base, model):
+    text = "🚀🚀 東京 ok"
+    ids = tokens(model, text)
+    assert any(model.tokenizer.decode([t]).endswith("\ufffd") for t in ids), "some tokens end mid-character"
+    with LiveGateway(base, model, answer(model, [text])) as gw:
+        completion = gw.post("/v1/completions", json={"prompt": "hi", "max_tokens": 40, "stream": True})
+        chat = gw.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 40, "stream": True})
+    texts = [ch["text"] for e in sse_events(completion.text)[:-1] for ch in json.loads(e)["choices"]]
+    assert len(texts) == len(ids) and "".join(texts) == text and "" in texts
+    deltas = [ch["delta"] for e in sse_events(chat.text)[:-1] for ch in json.loads(e)["choices"]]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert [d["content"] for d in deltas[1:]] == texts, "one chunk per token, empty while a character is unfinished"
+
+
+def test_tokenizer_endpoints_round_trip_text_with_the_models_own_tokenizer(base, model, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
+    text = "Größe, café — 東京 🚀 <|im_end|> and more"
+    messages = [{"role": "system", "content": "terse"}, {"role": "user", "content": text}]
+    with LiveGateway(base, model) as gw:
+        plain = gw.post("/tokenize", json={"model": model.name, "prompt": text, "add_special_tokens": False,
+                                           "return_token_strs": True}).json()
+        with_specials = gw.post("/tokenize", json={"prompt": text}).json()
+        chat = gw.post("/tokenize", json={"messages": messages}).json()
+        back = gw.post("/detokenize", json={"model": model.name, "tokens": plain["tokens"]}).json()
+        info = gw.get("/tokenizer_info").json()
+    assert plain["tokens"] == hf(text, add_special_tokens=False).input_ids
+    assert plain["count"] == len(plain["tokens"]) and plain["max_model_len"] == model.max_model_len
+    assert plain["token_strs"] == hf.convert_ids_to_tokens(plain["tokens"])
+    assert with_specials["tokens"] == hf(text).input_ids and "token_strs" not in with_specials
+    assert chat["tokens"] == hf(hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                                add_special_tokens=False).input_ids
+    assert back == {"prompt": text}
+    assert (info["eos_token"], info["bos_token"], info["pad_token"]) == (hf.eos_token, hf.bos_token, hf.pad_token)
+    assert info["chat_template"] == hf.chat_template and info["model_max_length"] == model.max_model_len
+
+
+# Text with lone surrogates now and then ("\ud800" in JSON), which UTF-8 cannot carry.
+TEXT = st.text(max_size=8) | st.text(st.characters(categories=["Cs", "Lo", "So"]), max_size=4)
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | TEXT,
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXT, inner, max_size=4),
                     max_leaves=12)
 # Mostly well-typed values around the valid ranges' edges, sometimes any JSON at all.
 TYPED = {
     "model": st.sampled_from(["tiny", "other"]), "max_tokens": st.integers(-1, 40),
     "max_completion_tokens": st.integers(-1, 40), "temperature": st.floats(-0.5, 2.5), "top_p": st.floats(0, 1.2),
     "top_k": st.integers(-2, 40), "min_p": st.floats(-0.1, 1.1), "seed": st.integers(-1, 2**64),
-    "n": st.integers(0, 3), "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=2),
+    "n": st.integers(0, 3), "stop": TEXT | st.lists(TEXT, max_size=2),
     "stop_token_ids": st.lists(st.integers(-1, 600), max_size=2), "presence_penalty": st.floats(-2.5, 2.5),
     "frequency_penalty": st.floats(-2.5, 2.5), "repetition_penalty": st.floats(0, 2.5),
     "logprobs": st.integers(-1, 22) | st.booleans(), "top_logprobs": st.integers(-1, 22), "echo": st.booleans(),
-    "ignore_eos": st.booleans(), "stream": st.booleans(),
+    "prompt_logprobs": st.integers(-1, 22), "ignore_eos": st.booleans(), "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}), "user": st.text(max_size=5),
     "min_tokens": st.integers(-1, 5), "best_of": st.integers(0, 3), "skip_special_tokens": st.booleans(),
     "logit_bias": st.dictionaries(st.text(max_size=3), st.integers(-5, 5), max_size=1),
+    "add_special_tokens": st.booleans(), "add_generation_prompt": st.booleans(), "return_token_strs": st.booleans(),
 }
 OPTIONAL = {name: st.one_of(values, values, JSON) for name, values in TYPED.items()}
 VALID = {"max_tokens": st.integers(1, 8), "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1),
          "top_k": st.integers(-1, 20), "seed": st.integers(0, 2**63 - 1), "n": st.integers(1, 3),
          "stop": st.lists(st.text(min_size=1, max_size=3), max_size=2), "logprobs": st.integers(0, 5),
          "stream": st.booleans(), "ignore_eos": st.booleans(), "presence_penalty": st.floats(-2, 2)}
+PROMPT_LOGPROBS = {"echo": st.booleans(), "prompt_logprobs": st.integers(0, 5), "max_tokens": st.integers(0, 4)}
 MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "x"]),
-                                           "content": st.text(max_size=12) | JSON}), max_size=3)
+                                           "content": TEXT | JSON}), max_size=3)
+PROMPTS = TEXT | st.lists(st.integers(-1, 600), max_size=5) | st.lists(TEXT | st.lists(st.integers(0, 511),
+                                                                                          max_size=3), max_size=3)
 BODIES = st.one_of(
     JSON,
-    st.dictionaries(st.sampled_from([*TYPED, "prompt", "messages"]), JSON, max_size=6),
-    st.fixed_dictionaries({"prompt": st.text(max_size=20) | st.lists(st.integers(-1, 600), max_size=5)},
-                          optional=OPTIONAL),
+    st.dictionaries(st.sampled_from([*TYPED, "prompt", "messages", "tokens"]), JSON, max_size=6),
+    st.fixed_dictionaries({"prompt": PROMPTS}, optional=OPTIONAL),
     st.fixed_dictionaries({"prompt": st.text(min_size=1, max_size=20)}, optional=TYPED),
     st.fixed_dictionaries({"prompt": st.text(min_size=1, max_size=20)}, optional=VALID),
-    st.fixed_dictionaries({"messages": st.just(HI)}, optional=VALID | {"logprobs": st.booleans()}),
+    st.fixed_dictionaries({"prompt": PROMPTS}, optional=VALID | PROMPT_LOGPROBS),
+    st.fixed_dictionaries({"messages": st.just(HI)}, optional=VALID | {"logprobs": st.booleans(),
+                                                                       "prompt_logprobs": st.integers(0, 3)}),
     st.fixed_dictionaries({"messages": MESSAGES}, optional=OPTIONAL),
+    st.fixed_dictionaries({"tokens": st.lists(st.integers(-1, 600), max_size=6) | JSON}, optional=OPTIONAL),
 )
+PATHS = st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+HEADERS = st.fixed_dictionaries({}, optional={
+    "X-Request-Id": st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=140),
+    "Content-Encoding": st.sampled_from(["gzip", "deflate", "identity", "br"])})
 
 
-def test_fuzzed_json_bodies_never_get_a_5xx(base, model):
+def test_fuzzed_bodies_of_every_endpoint_never_get_a_5xx(base, model):
     with LiveGateway(base, model, answer(model, ["ok 🚀"])) as gw:
-        @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
-        @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), body=BODIES)
-        def check(path, body):
-            resp = gw.post(path, content=json.dumps(body).encode())
-            assert resp.status < 500, (body, resp.text)
+        @settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(path=PATHS, body=BODIES, headers=HEADERS, compress=st.booleans())
+        def check(path, body, headers, compress):
+            content = json.dumps(body).encode()
+            if compress and headers.get("Content-Encoding") == "gzip":
+                content = gzip.compress(content)
+            resp = gw.post(path, content=content, headers=headers)
+            assert resp.status < 500, (body, headers, resp.text)
             if resp.status >= 400:
                 assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
 

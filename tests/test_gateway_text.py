@@ -3,6 +3,8 @@ stop strings (oracle: a direct search of the whole text), the per-request tracke
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -23,14 +25,22 @@ def tok(tiny_model_dir) -> Tokenizer:
     return Tokenizer.load(tiny_model_dir)
 
 
+@pytest.fixture(scope="module")
+def hf(tiny_model_dir):
+    """The oracle: transformers' own tokenizer of the checkpoint."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
+
+
 def stream(tok: Tokenizer, prompt_ids: list[int], ids: list[int]) -> list[str]:
     detok = IncrementalDetokenizer.after_prompt(tok.decode, prompt_ids)
     return [detok.add(t) for t in ids] + [detok.flush()]
 
 
 @pytest.mark.parametrize("text", MULTIBYTE)
-def test_deltas_join_to_decode_and_never_split_a_character(tok, text):
-    ids = tok.hf(text, add_special_tokens=False)["input_ids"]
+def test_deltas_join_to_decode_and_never_split_a_character(tok, hf, text):
+    ids = hf(text, add_special_tokens=False)["input_ids"]
     assert any("\ufffd" in tok.decode([t]) for t in ids), "the text must split a character over tokens"
     deltas = stream(tok, tok.encode("Say:"), ids)
     assert "".join(deltas) == tok.decode(ids) == text
@@ -44,8 +54,28 @@ def test_any_token_sequence_detokenizes_like_decode(tok, ids, prompt):
     assert "".join(stream(tok, prompt_ids, ids)) == tok.decode(ids)
 
 
-def test_special_tokens_are_skipped_in_text(tok):
-    ids = tok.hf("hello<|im_end|> world", add_special_tokens=False)["input_ids"]
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.integers(0, 511), max_size=12), st.booleans())
+def test_the_gateways_decode_is_transformers_decode(tok, hf, ids, skip_special_tokens):
+    assert tok.decode(ids, skip_special_tokens) == hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.text(max_size=30))
+def test_logprob_tokens_spell_the_text_byte_for_byte(tok, hf, text):
+    # Oracle: the text's own UTF-8 bytes.
+    ids = hf(text, add_special_tokens=False)["input_ids"]
+    assert b"".join(tok.token_bytes(t) for t in ids) == text.encode()
+    for t in ids:  # whole characters read as themselves, anything else as `bytes:...`, never U+FFFD
+        try:
+            alone = tok.token_bytes(t).decode()
+        except UnicodeDecodeError:
+            alone = None
+        assert tok.token_text(t) == alone if alone is not None else tok.token_text(t).startswith("bytes:")
+
+
+def test_special_tokens_are_skipped_in_text(tok, hf):
+    ids = hf("hello<|im_end|> world", add_special_tokens=False)["input_ids"]
     assert "".join(stream(tok, [], ids)) == tok.decode(ids) == "hello world"
 
 
@@ -98,9 +128,9 @@ def placed_tracker(rid: str, n: int, prompt: list[int], decode, stops: list[str]
     return made
 
 
-def test_tracker_dedupes_interleaves_samples_and_applies_stop_strings(tok):
-    a = tok.hf("one two three", add_special_tokens=False)["input_ids"]
-    b = tok.hf("東京 🚀 END rest", add_special_tokens=False)["input_ids"]
+def test_tracker_dedupes_interleaves_samples_and_applies_stop_strings(tok, hf):
+    a = hf("one two three", add_special_tokens=False)["input_ids"]
+    b = hf("東京 🚀 END rest", add_special_tokens=False)["input_ids"]
     tracker = placed_tracker("r", 2, tok.encode("Q"), tok.decode, ["END"])
     # Sample 1 is still running on the bus when its text hits the stop string.
     stream_a, stream_b = outputs("r", 0, a), outputs("r", 1, b)[:-1]
@@ -116,8 +146,8 @@ def test_tracker_dedupes_interleaves_samples_and_applies_stop_strings(tok):
     assert tracker.finished and tracker.needs_abort, "sample 1 ended on a stop string, not on the bus"
 
 
-def test_tracker_leaves_out_the_text_of_a_stop_token_and_ends_on_a_request_error(tok):
-    ids = tok.hf("hi there</s>", add_special_tokens=False)["input_ids"]
+def test_tracker_leaves_out_the_text_of_a_stop_token_and_ends_on_a_request_error(tok, hf):
+    ids = hf("hi there</s>", add_special_tokens=False)["input_ids"]
     tracker = placed_tracker("r", 1, [], tok.decode, [])
     text = "".join(d.text for e in outputs("r", 0, ids, finish="stop") for d in tracker.apply(e))
     assert text == "hi there" and not tracker.needs_abort
@@ -127,8 +157,8 @@ def test_tracker_leaves_out_the_text_of_a_stop_token_and_ends_on_a_request_error
     assert failing.apply(TokenOutput("other", 0, 0, 5)) == []
 
 
-def test_tracker_ends_running_samples_when_the_scheduler_ends_the_request(tok):
-    ids = tok.hf("one two", add_special_tokens=False)["input_ids"]
+def test_tracker_ends_running_samples_when_the_scheduler_ends_the_request(tok, hf):
+    ids = hf("one two", add_special_tokens=False)["input_ids"]
     tracker = placed_tracker("r", 2, [], tok.decode, [])
     for e in outputs("r", 0, ids, finish="stop"):
         tracker.apply(e)
@@ -144,3 +174,30 @@ def test_sse_event_is_one_data_line_of_json():
     assert frame.endswith(b"\n\n") and frame.count(b"\n") == 2 and frame.startswith(b"data: ")
     assert json.loads(frame[len(b"data: "):]) == {"text": "東京\n🚀", "n": 1}
     assert sse.DONE == b"data: [DONE]\n\n"
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.text(max_size=40) | st.sampled_from(["<s>hi</s>", "a<|im_start|>b<|im_end|>", " lead", "東京 🚀"]),
+       st.booleans())
+def test_the_gateways_encode_is_transformers_encode(tok, hf, text, add_special_tokens):
+    assert tok.encode(text, add_special_tokens) == hf(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+
+def test_the_tokenizer_loads_without_transformers_and_chat_renders_as_transformers_does(tiny_model_dir, hf):
+    code = ("import sys; from pathlib import Path; from gateway.model import Tokenizer; "
+            f"t = Tokenizer.load(Path({str(tiny_model_dir)!r})); t.encode('hi'); t.decode([5, 6]); "
+            "print('transformers' in sys.modules)")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "False", "starting the gateway's tokenizer imports no transformers"
+    tok = Tokenizer.load(tiny_model_dir)
+    chats = [[{"role": "user", "content": "hi"}],
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "東京?"},
+              {"role": "assistant", "content": "Yes."}, {"role": "user", "content": "and?"}]]
+    for messages in chats:
+        for prompt in (True, False):
+            expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+            assert tok.render_chat(messages, prompt) == hf(expected, add_special_tokens=False)["input_ids"]
+    ids = list(range(0, 512, 7))
+    assert tok.token_strs(ids) == hf.convert_ids_to_tokens(ids) and tok.vocab_size == len(hf)
+    info = tok.info(2048)
+    assert (info["bos_token"], info["eos_token"], info["pad_token"]) == (hf.bos_token, hf.eos_token, hf.pad_token)

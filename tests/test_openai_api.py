@@ -20,12 +20,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from redis_harness import free_port
-from test_gateway_http import BODIES
+from test_gateway_http import BODIES, PATHS
+from test_gateway_logprobs import (
+    lm_eval_generate_body, lm_eval_loglikelihood_body, lm_eval_parse_generations, lm_eval_parse_logprobs,
+)
 from up_harness import Up, run_up
 
 from shared.keys import Keys
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
+# The worker does not compute prompt logprobs nor count cached prompt tokens yet (issue 13, its worker part).
+NEEDS_PROMPT_LOGPROBS = pytest.mark.xfail(strict=True, reason="needs worker prompt logprobs")
 KEY = "test-key"
 BODY_LIMIT = 64 << 10
 MAX_WAITING = 2
@@ -147,6 +152,7 @@ def test_streamed_text_equals_the_whole_response(stack):
     assert [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason] == \
         [whole.choices[0].finish_reason]
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert len([c for ch in chunks for c in ch.choices]) == whole.usage.completion_tokens, "an event per token"
 
 
 def test_chat_greedy_equals_transformers_streamed_and_not(stack, hf):
@@ -213,7 +219,9 @@ def test_logprobs_match_transformers(stack, hf):
     resp = stack.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3)
     lp = resp.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == resp.usage.completion_tokens
-    assert lp.tokens == [tok.decode([t]) for t in expected]
+    for token_id, token in zip(expected, lp.tokens):  # a token that ends mid-character keeps its bytes
+        text = tok.decode([token_id])
+        assert token == text if "\ufffd" not in text else token.startswith("bytes:")
     assert lp.token_logprobs == pytest.approx(logprobs_of(hf, prompt_ids, expected), abs=2e-3)
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
         # Top entries are keyed by text, so tokens that decode alike (e.g. partial UTF-8) share one key.
@@ -279,7 +287,10 @@ def test_a_burst_past_the_waiting_limit_gets_429_with_retry_after(stack):
     results = asyncio.run(burst())
     limited = [r for r in results if isinstance(r, openai.RateLimitError)]
     assert limited, "24 long requests at once against a limit of 2 waiting must see 429s"
-    assert all(r.response.headers["retry-after"] == "1" for r in limited)
+    waits = [int(r.response.headers["retry-after-ms"]) for r in limited]
+    assert all(0 < ms <= 60_000 and int(r.response.headers["retry-after"]) == -(-ms // 1000)
+               for ms, r in zip(waits, limited))
+    assert len(limited) < 3 or len(set(waits)) > 1, f"jitter spreads the retries: {waits}"
     assert all(not isinstance(r, Exception) or isinstance(r, openai.RateLimitError) for r in results), results
     assert any(not isinstance(r, Exception) for r in results)
 
@@ -317,18 +328,107 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(stack):
 
 
 def test_fuzzed_bodies_never_get_a_5xx_and_the_stack_still_answers(stack):
-    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), body=BODIES)
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(path=PATHS, body=BODIES)
     def check(path, body):
         if isinstance(body, dict):  # keep valid requests short on a CPU
             body.setdefault("max_tokens", 4)
             body.setdefault("max_completion_tokens", 4)
+            # Until the worker computes prompt logprobs, asking for them fails (500): the xfail tests below.
+            body.pop("prompt_logprobs", None)
+            if body.get("echo"):
+                body.pop("logprobs", None)
         status, _, text = stack.raw("POST", path, json.dumps(body).encode())
         assert status < 500, (body, text)
 
     check()
     resp = stack.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0)
     assert resp.usage.completion_tokens >= 1
+
+
+def test_tokenizer_endpoints_round_trip_with_the_models_own_tokenizer(stack, hf):
+    tok = hf[0]
+    text = "The blocks of a sequence, 東京 🚀"
+    status, _, body = stack.raw("POST", "/tokenize", json.dumps({"prompt": text, "add_special_tokens": False}).encode())
+    assert status == 200 and json.loads(body)["tokens"] == tok(text, add_special_tokens=False).input_ids
+    ids = json.loads(body)["tokens"]
+    status, _, body = stack.raw("POST", "/detokenize", json.dumps({"tokens": ids}).encode())
+    assert status == 200 and json.loads(body) == {"prompt": text}
+    status, _, body = stack.raw("GET", "/tokenizer_info")
+    assert status == 200 and json.loads(body)["eos_token"] == tok.eos_token
+    assert stack.raw("GET", "/tokenizer_info", key=None)[0] == 401, "the API key guards it"
+
+
+def prompt_logprobs_of(hf, ids: list[int]) -> tuple[list[float], list[bool]]:
+    """transformers' log-softmax of each prompt token after the first, and whether it is the argmax."""
+    import torch
+
+    _, model = hf
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    logprobs = torch.log_softmax(logits, -1)
+    targets = torch.tensor(ids[1:])
+    return (logprobs.gather(1, targets[:, None])[:, 0].tolist(), (logits.argmax(-1) == targets).tolist())
+
+
+@NEEDS_PROMPT_LOGPROBS
+def test_prompt_logprobs_equal_transformers_on_both_endpoints(stack, hf):
+    tok = hf[0]
+    ids = tok(PROMPT).input_ids
+    want, _ = prompt_logprobs_of(hf, ids)
+    client = stack.client()
+    echoed = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    lp = echoed.choices[0].logprobs
+    assert echoed.choices[0].text == PROMPT and lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=2e-3)
+    vllm = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, temperature=0,
+                                     extra_body={"prompt_logprobs": 2})
+    got = vllm.choices[0].model_extra["prompt_logprobs"]
+    assert got[0] is None and [p[str(t)]["logprob"] for p, t in zip(got[1:], ids[1:])] == pytest.approx(want, abs=2e-3)
+    messages = [{"role": "user", "content": "Hello, 東京 🚀?"}]
+    chat_ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                   add_special_tokens=False).input_ids
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1, temperature=0,
+                                          extra_body={"prompt_logprobs": 0})
+    got = chat.model_extra["prompt_logprobs"]
+    assert [p[str(t)]["logprob"] for p, t in zip(got[1:], chat_ids[1:])] == \
+        pytest.approx(prompt_logprobs_of(hf, chat_ids)[0], abs=2e-3)
+
+
+@NEEDS_PROMPT_LOGPROBS
+def test_lm_eval_loglikelihood_rolling_and_generate_until_against_the_stack(stack, hf):
+    tok = hf[0]
+    context = tok("The blocks of a sequence need", add_special_tokens=False).input_ids
+    continuations = [tok(t, add_special_tokens=False).input_ids for t in (" not be contiguous", " a block table")]
+    prompts = [context + c for c in continuations]
+    status, _, body = stack.raw("POST", "/v1/completions",
+                                json.dumps(lm_eval_loglikelihood_body("tiny", prompts)).encode())
+    assert status == 200, body
+    got = lm_eval_parse_logprobs(json.loads(body), [len(context)] * 2)
+    for (total, greedy), ids in zip(got, prompts):
+        lps, argmax = prompt_logprobs_of(hf, ids)
+        assert total == pytest.approx(sum(lps[len(context) - 1:]), abs=1e-2)
+        assert greedy == all(argmax[len(context) - 1:])
+    rolling = tok("PagedAttention divides the key value cache of each sequence into blocks.",
+                  add_special_tokens=False).input_ids
+    window = [tok.bos_token_id] + rolling  # lm-eval's first rolling window: the prefix token, then the text
+    status, _, body = stack.raw("POST", "/v1/completions",
+                                json.dumps(lm_eval_loglikelihood_body("tiny", [window])).encode())
+    ((total, _),) = lm_eval_parse_logprobs(json.loads(body), [1])
+    assert total == pytest.approx(sum(prompt_logprobs_of(hf, window)[0]), abs=1e-2)
+    status, _, body = stack.raw("POST", "/v1/completions",
+                                json.dumps(lm_eval_generate_body("tiny", [context], ["\n\n"], 8)).encode())
+    full = tok.decode(greedy(hf, context, 8), skip_special_tokens=True)
+    assert lm_eval_parse_generations(json.loads(body)) == [full.split("\n\n")[0]]
+
+
+@pytest.mark.xfail(strict=True, reason="needs the worker's num_cached_tokens")
+def test_a_prefix_cache_hit_shows_as_cached_tokens(stack):
+    prompt = "9 " + "The blocks of a sequence need not be contiguous. " * 8
+    client = stack.client()
+    client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0)
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16
 
 
 def test_sigterm_stops_the_whole_stack_cleanly(stack):
