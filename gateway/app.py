@@ -163,7 +163,7 @@ async def _generate(request: web.Request, parse: Callable[[Any, ServedModel], Ge
     raw = await read_body(request, gw.settings.max_body_bytes)
     call = await request.app[TOKENIZING].run(raw, parse, gw.model)
     await gw.admit(call)
-    generation = Generation(gw, call, fmt(gw.model.tokenizer, call.params.logprobs is not None), received,
+    generation = Generation(gw, call, fmt(gw.model.tokenizer, call.want_logprobs), received,
                             request_id(request))
     return await (generation.stream(request) if call.stream else generation.respond())
 

@@ -6,12 +6,12 @@ the first prefill step: the bus carries no scheduling timestamp back to the gate
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from shared.protocol import SchedulerStats
+from shared.protocol import SchedulerStats, WorkerStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 FAST_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -36,23 +36,30 @@ class SchedulerCollector:
                                   value=s.preemptions)
         yield GaugeMetricFamily("pagedserve_scheduler_stats_age_seconds", "age of the scheduler's snapshot",
                                 value=max(time.time() - s.time, 0.0))
-        usage = GaugeMetricFamily("pagedserve_kv_cache_usage_perc", "share of KV blocks in use (0-1)",
-                                  labels=["worker"])
-        blocks = GaugeMetricFamily("pagedserve_kv_cache_blocks", "KV blocks of the worker", labels=["worker"])
-        running = GaugeMetricFamily("pagedserve_worker_running_sequences", "sequences running on the worker",
-                                    labels=["worker"])
-        queries = CounterMetricFamily("pagedserve_prefix_cache_queries", "prompt tokens looked up in the "
-                                      "prefix cache", labels=["worker"])
-        hits = CounterMetricFamily("pagedserve_prefix_cache_hits", "prompt tokens found in the prefix cache",
-                                   labels=["worker"])
-        for w in s.workers:
-            used = w.num_blocks - w.free_blocks
-            usage.add_metric([w.worker_id], used / w.num_blocks if w.num_blocks else 0.0)
-            blocks.add_metric([w.worker_id], w.num_blocks)
-            running.add_metric([w.worker_id], w.running)
-            queries.add_metric([w.worker_id], w.prefix_queries)
-            hits.add_metric([w.worker_id], w.prefix_hits)
-        yield from (usage, blocks, running, queries, hits)
+        for name, family, doc, value in PER_WORKER:
+            metric = family(name, doc, labels=["worker"])
+            for w in s.workers:
+                metric.add_metric([w.worker_id], value(w))
+            yield metric
+
+
+# Per worker, from the scheduler's snapshot: (name, family, help, value).
+PER_WORKER: list[tuple[str, type, str, Callable[[WorkerStats], float]]] = [
+    ("pagedserve_kv_cache_usage_perc", GaugeMetricFamily, "share of KV blocks in use (0-1)",
+     lambda w: (w.num_blocks - w.free_blocks) / w.num_blocks if w.num_blocks else 0.0),
+    ("pagedserve_kv_cache_blocks", GaugeMetricFamily, "KV blocks of the worker", lambda w: w.num_blocks),
+    ("pagedserve_kv_cache_shared_blocks", GaugeMetricFamily, "KV blocks held by more than one sequence (prefix "
+     "hits, parallel samples, beams)", lambda w: w.shared_blocks),
+    ("pagedserve_worker_running_sequences", GaugeMetricFamily, "sequences running on the worker", lambda w: w.running),
+    ("pagedserve_prefix_cache_queries", CounterMetricFamily, "prompt tokens looked up in the prefix cache",
+     lambda w: w.prefix_queries),
+    ("pagedserve_prefix_cache_hits", CounterMetricFamily, "prompt tokens found in the prefix cache",
+     lambda w: w.prefix_hits),
+    ("pagedserve_worker_steps", CounterMetricFamily, "step plans sent to the worker", lambda w: w.steps),
+    ("pagedserve_sequence_forks", CounterMetricFamily, "sequences forked from another on shared blocks "
+     "(parallel samples, beams)", lambda w: w.forks),
+    ("pagedserve_kv_block_copies", CounterMetricFamily, "copy-on-write block copies", lambda w: w.copies),
+]
 
 
 class Metrics:

@@ -44,6 +44,12 @@ class GenerateCall:
     prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs` field: top k per prompt token
     echo_logprobs: bool = False  # the choices' logprobs start with the prompt's (`echo` with `logprobs`)
     hide_output: bool = False  # `max_tokens` 0 with `echo`: the bus makes one token, which is dropped
+    choices_per_prompt: int = 0  # `n`; fewer than the bus samples with `best_of` (0: as many)
+    ranked: bool = False  # best_of or beam search: choices best first, with their cumulative logprobs
+    want_logprobs: bool = False  # the client asked for logprobs (best_of asks the bus for them to rank)
+
+    def __post_init__(self) -> None:
+        self.choices_per_prompt = self.choices_per_prompt or self.params.n
 
     @property
     def work(self) -> int:
@@ -55,7 +61,6 @@ def parse_completion(body: Any, model: ServedModel) -> GenerateCall:
     body = _object(body)
     _check_model(body, model)
     _reject_unsupported(body, {"suffix": (None, ""), "logit_bias": (None, {})})
-    _best_of(body)
     prompts = _prompts(body.get("prompt"), model)
     echo = _get(body, "echo", bool, False)
     logprobs = _get(body, "logprobs", int, None)
@@ -70,12 +75,14 @@ def parse_completion(body: Any, model: ServedModel) -> GenerateCall:
     echo_logprobs = echo and logprobs is not None
     params.prompt_logprobs = max((k for k in (prompt_logprobs, logprobs if echo_logprobs else None) if k is not None),
                                  default=None)
-    _validate(params, {})
+    n, ranked = _best_of(body, params, stream[0])
+    _validate(params, {"beam_width": "best_of"})
     if echo_logprobs:
         for p in prompts:
             p.text_offsets = _text_offsets(model.tokenizer, p)
     return GenerateCall(model.name, prompts, params, _stop(body), *stream, echo,
-                        _get(body, "skip_special_tokens", bool, True), prompt_logprobs, echo_logprobs, hide_output)
+                        _get(body, "skip_special_tokens", bool, True), prompt_logprobs, echo_logprobs, hide_output,
+                        n, ranked, logprobs is not None)
 
 
 def parse_chat(body: Any, model: ServedModel) -> GenerateCall:
@@ -96,15 +103,18 @@ def parse_chat(body: Any, model: ServedModel) -> GenerateCall:
     if top is not None and not want:
         raise bad_request("`top_logprobs` needs `logprobs` set to true", param="top_logprobs")
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    renames = {"logprobs": "top_logprobs", "max_tokens": max_name}  # SamplingParams name → this API's
+    renames = {"logprobs": "top_logprobs", "max_tokens": max_name, "beam_width": "best_of"}  # ours → this API's
     max_tokens = _get(body, max_name, int, None)
     params = _sampling(body, model, (top or 0) if want else None)
     params.max_tokens = _fit_max_tokens(prompts, max_tokens, model, "messages", None, max_name)
     stream = _stream(body)
     params.prompt_logprobs = _prompt_logprobs(body, stream[0])
+    wanted = params.logprobs is not None
+    n, ranked = _best_of(body, params, stream[0])
     _validate(params, renames)
     return GenerateCall(model.name, prompts, params, _stop(body), *stream, False,
-                        _get(body, "skip_special_tokens", bool, True), params.prompt_logprobs)
+                        _get(body, "skip_special_tokens", bool, True), params.prompt_logprobs,
+                        choices_per_prompt=n, ranked=ranked, want_logprobs=wanted)
 
 
 def tokenize(body: Any, model: ServedModel) -> dict[str, Any]:
@@ -211,11 +221,46 @@ def _reject_unsupported(body: dict[str, Any], harmless: dict[str, tuple[Any, ...
             raise bad_request(f"`{name}` is not supported by this server", param=name, code="unsupported")
 
 
-def _best_of(body: dict[str, Any]) -> None:
+def _best_of(body: dict[str, Any], params: SamplingParams, stream: bool) -> tuple[int, bool]:
+    """OpenAI's `best_of` and vLLM's beam search fields, into `params` (as the bus runs the call). Returns the
+    choices per prompt (`n`) and whether they are ranked by cumulative logprob.
+
+    Sampling with best_of > n: the bus samples best_of on the prompt's shared blocks, with their logprobs, and
+    the n most likely come back (streaming them is a 400, as in OpenAI's API). `use_beam_search`: beams of width
+    best_of (or n), the n best returned, best first; what they return only exists at the end (no streaming), and
+    the beams follow the model's distribution itself (penalties and seeds do not apply: a 400 if set)."""
+    n = params.n
     best_of = _get(body, "best_of", int, None)
-    if best_of is not None and best_of != _get(body, "n", int, 1):
-        raise bad_request("`best_of` other than `n` is not supported by this server", param="best_of",
-                          code="unsupported")
+    if best_of is not None and best_of < n:
+        raise bad_request(f"`best_of` must be at least `n` ({n}); got {best_of}", param="best_of")
+    if not _get(body, "use_beam_search", bool, False):
+        for name in ("length_penalty", "early_stopping"):
+            if body.get(name) is not None:
+                raise bad_request(f"`{name}` needs `use_beam_search`", param=name)
+        if best_of is None or best_of == n:
+            return n, False
+        if stream:
+            raise bad_request("`best_of` greater than `n` cannot be streamed", param="best_of")
+        params.n = best_of
+        if params.logprobs is None:
+            params.logprobs = 0  # each sampled token's logprob, to rank the samples by
+        return n, True
+    if stream:
+        raise bad_request("beam search cannot be streamed: its beams are known only at the end", param="stream")
+    for name, default in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+        if getattr(params, name) != default:
+            raise bad_request(f"`{name}` does not apply to beam search", param=name)
+    if params.seed is not None or params.prompt_logprobs is not None:
+        name = "seed" if params.seed is not None else "prompt_logprobs"
+        raise bad_request(f"`{name}` does not apply to beam search", param=name)
+    early = body.get("early_stopping", False)
+    if early not in (True, False, "never"):
+        raise bad_request(f"`early_stopping` must be true, false or \"never\"; got {early!r}", param="early_stopping")
+    params.beam_width = best_of or n
+    params.length_penalty = _get(body, "length_penalty", float, 1.0)
+    params.early_stopping = early
+    params.temperature = 0.0
+    return n, True
 
 
 def _prompts(raw: Any, model: ServedModel) -> list[Prompt]:

@@ -198,6 +198,18 @@ class Generation:
         return prompt.text, prompt_records(prompt.token_ids, tracker.prompt_logprobs, prompt.text_offsets or [],
                                            self.call.params.logprobs or 0)
 
+    def _choice_order(self) -> list[int]:
+        """The samples that become choices, in order: per prompt, its n samples; with best_of, the n of highest
+        cumulative logprob (a beam search's come ranked already)."""
+        call, n = self.call, self.call.params.n
+        order = []
+        for p, tracker in enumerate(self.trackers):
+            samples = range(n)
+            if call.ranked and not call.params.beam_width:
+                samples = sorted(samples, key=lambda s: -sum(r.logprob or 0.0 for r in tracker.samples[s].logprobs))
+            order += [p * n + s for s in list(samples)[:call.choices_per_prompt]]
+        return order
+
     def _vllm_prompt_logprobs(self, i: int) -> list | None:
         tracker = self.trackers[i]
         if tracker.prompt_logprobs is None:
@@ -219,16 +231,19 @@ class Generation:
         except RequestFailed as e:
             raise _failure(e) from None
         choices = []
-        for i in range(count):
+        for i in self._choice_order():
             text, prefix = self._prefix(i)
-            choices.append(self.fmt.choice(i, text + texts[i], prefix + _shifted(records[i], len(text)), *ends[i]))
+            choice = self.fmt.choice(len(choices), text + texts[i], prefix + _shifted(records[i], len(text)), *ends[i])
+            if self.call.ranked:
+                choice["cumulative_logprob"] = sum(r.logprob or 0.0 for r in records[i])
+            choices.append(choice)
         body = {"id": self.id, "object": self.fmt.object, "created": self.created, "model": self.call.model,
                 "choices": choices, "usage": self.usage()}
         if self.call.prompt_logprobs is not None:
             per_prompt = [self._vllm_prompt_logprobs(i) for i in range(len(self.call.prompts))]
             if self.fmt.prompt_logprobs_on_choices:
                 for i, choice in enumerate(choices):
-                    choice["prompt_logprobs"] = per_prompt[i // self.call.params.n]
+                    choice["prompt_logprobs"] = per_prompt[i // self.call.choices_per_prompt]
             else:
                 body["prompt_logprobs"] = per_prompt[0]
         return web.json_response(body)

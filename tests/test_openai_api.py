@@ -431,6 +431,60 @@ def test_a_prefix_cache_hit_shows_as_cached_tokens(stack):
     assert again.usage.prompt_tokens_details.cached_tokens >= 16
 
 
+def test_beam_search_returns_transformers_best_beams_on_both_endpoints(stack, hf):
+    import torch
+
+    tok, model = hf
+    prompt_ids = tok(PROMPT).input_ids
+    eos = set(model.generation_config.eos_token_id)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), num_beams=3, num_return_sequences=2, max_new_tokens=12,
+                             do_sample=False, length_penalty=0.5, pad_token_id=tok.pad_token_id)
+    expected = []
+    for row in out[:, len(prompt_ids):].tolist():
+        cut = next((k for k, t in enumerate(row) if t in eos), len(row))
+        expected.append(tok.decode(row[:cut], skip_special_tokens=True))
+    client = stack.client()
+    got = client.completions.create(model="tiny", prompt=prompt_ids, n=2, best_of=3, max_tokens=12,
+                                    extra_body={"use_beam_search": True, "length_penalty": 0.5})
+    assert [c.text for c in got.choices] == expected and [c.index for c in got.choices] == [0, 1]
+    scores = [c.model_extra["cumulative_logprob"] for c in got.choices]
+    assert all(s < 0 for s in scores)
+    messages = [{"role": "user", "content": "hi"}]
+    chat_ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                   add_special_tokens=False).input_ids
+    chat = client.chat.completions.create(model="tiny", messages=messages, n=1, max_tokens=12,
+                                          extra_body={"use_beam_search": True, "best_of": 3})
+    beams = model.generate(torch.tensor([chat_ids]), num_beams=3, max_new_tokens=12, do_sample=False,
+                           pad_token_id=tok.pad_token_id)[0, len(chat_ids):].tolist()
+    cut = next((k for k, t in enumerate(beams) if t in eos), len(beams))
+    assert chat.choices[0].message.content == tok.decode(beams[:cut], skip_special_tokens=True)
+    deadline = time.monotonic() + 10  # the scheduler's snapshot comes with its next tick
+    while (sum(v for (name, _), v in stack.metrics().items() if name == "pagedserve_sequence_forks_total") == 0
+           and time.monotonic() < deadline):
+        time.sleep(0.2)
+    metrics = stack.metrics()
+    for name in ("pagedserve_sequence_forks_total", "pagedserve_kv_block_copies_total"):
+        assert sum(v for (key, _), v in metrics.items() if key == name) > 0, f"beams fork and copy: {name}"
+    for body in ({"use_beam_search": True, "stream": True}, {"best_of": 3, "stream": True},
+                 {"use_beam_search": True, "seed": 3}, {"length_penalty": 2.0}, {"best_of": 1, "n": 2}):
+        status, _, text = stack.raw("POST", "/v1/completions", json.dumps({"prompt": "hi", **body}).encode())
+        assert status == 400, (body, text)
+
+
+def test_best_of_returns_the_most_likely_of_its_samples(stack):
+    client = stack.client()
+    body = dict(model="tiny", prompt=PROMPT, max_tokens=8, temperature=1.0, seed=11)
+    every = client.completions.create(n=4, logprobs=0, **body)
+    totals = [sum(c.logprobs.token_logprobs) for c in every.choices]
+    best = client.completions.create(n=1, best_of=4, **body)
+    (choice,) = best.choices
+    assert choice.text == every.choices[totals.index(max(totals))].text and choice.logprobs is None
+    assert abs(choice.model_extra["cumulative_logprob"] - max(totals)) < 1e-4
+    assert best.usage.completion_tokens == every.usage.completion_tokens, "all four were generated"
+
+
+# Last in this module: it stops the stack the tests above share.
 def test_sigterm_stops_the_whole_stack_cleanly(stack):
     children = stack.up.pids()
     stack.up.proc.send_signal(signal.SIGTERM)
