@@ -15,17 +15,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.models.base import UnsupportedModelError
+from kernels import Attention
 
 
 @dataclass(slots=True)
 class ForwardContext:
     """What attention needs for one step besides the activations."""
-    backend: ModuleType  # kernels.reference or kernels.triton_ops
+    backend: ModuleType  # kernels.cpu_attention, kernels.reference or kernels.triton_ops
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer [num_blocks, block_size, kv_heads, head_dim]
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with the null block 0
-    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: sequence s's tokens are rows [loc[s], loc[s+1])
-    seq_lens: torch.Tensor  # [num_seqs] int32: tokens in the sequence after this step
+    attention: Attention  # this step's paged attention (kernels.step_attention), shared by every layer
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -144,8 +143,7 @@ class PagedAttention(nn.Module):
         """q `[T, heads, head_dim]`, k/v `[T, kv_heads, head_dim]` → `[T, heads * head_dim]`."""
         key_cache, value_cache = ctx.kv_caches[self.layer_idx]
         ctx.backend.store_kv(k, v, key_cache, value_cache, ctx.slot_mapping)
-        out = ctx.backend.paged_attention(q, key_cache, value_cache, ctx.block_tables, ctx.query_start_loc,
-                                          ctx.seq_lens, self.scale)
+        out = ctx.attention(q, key_cache, value_cache, self.scale)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
 
