@@ -33,21 +33,26 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
 
+from benchmarks.proc_cpu import cpu_seconds, descendants
+
 PHASES = ("plan", "inputs", "attention", "model rest", "logits", "sampling")
 
 
 @dataclass(slots=True)
 class Clock:
-    """Seconds spent per name, by wrapping the callables that do the work."""
+    """Seconds spent per name, by wrapping the callables that do the work. By default the calling thread's
+    CPU time: with one torch thread every op runs on it, and on a shared machine CPU time does not count the
+    waits for a core that wall time does (`now=time.perf_counter` for wall time)."""
+    now: Callable[[], float] = time.thread_time
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
     def wrap(self, name: str, fn: Callable) -> Callable:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            start = self.now()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds[name] += time.perf_counter() - start
+                self.seconds[name] += self.now() - start
         return timed
 
     def reset(self) -> None:
@@ -69,7 +74,7 @@ def instrument(worker: Any, clock: Clock) -> None:
     timed = SimpleNamespace(store_kv=clock.wrap("attention", backend.store_kv),
                             paged_attention=clock.wrap("attention", backend.paged_attention),
                             copy_blocks=backend.copy_blocks)
-    if hasattr(backend, "step_attention"):
+    if hasattr(backend, "step_attention"):  # the per-step callable does the layers' stores and attention
         timed.step_attention = lambda *step: clock.wrap("attention", backend.step_attention(*step))
     runner.backend = timed
 
@@ -84,7 +89,8 @@ def phases(clock: Clock, steps: int) -> dict[str, float]:
     return ms
 
 
-def profile_worker(model_dir: Path, dtype: str, backend: str, batch: int, context: int, steps: int) -> dict[str, float]:
+def profile_worker(model_dir: Path, dtype: str, backend: str, batch: int, context: int, steps: int,
+                   wall: bool = False) -> dict[str, float]:
     import torch
 
     from gpu_worker.worker import Worker
@@ -116,7 +122,7 @@ def profile_worker(model_dir: Path, dtype: str, backend: str, batch: int, contex
         for i in range(batch)]))
     lengths = [n + 1 for n in lengths]
     decode()  # warm-up
-    clock = Clock()
+    clock = Clock(time.perf_counter) if wall else Clock()
     instrument(worker, clock)
     for _ in range(steps):
         decode()
@@ -129,31 +135,18 @@ def worker_part(args: argparse.Namespace, models: dict[str, Path]) -> None:
         for dtype in args.dtypes.split(","):
             for backend in args.backends.split(","):
                 for batch in (int(b) for b in args.batches.split(",")):
-                    ms = profile_worker(model_dir, dtype, backend, batch, args.context, args.steps)
+                    ms = profile_worker(model_dir, dtype, backend, batch, args.context, args.steps, args.wall)
                     rows.append((name, dtype, backend, batch, ms))
                     say(f"{name} {dtype} {backend} B={batch}: {ms['total']:.2f} ms/step, "
                         f"{1000 * batch / ms['total']:.0f} tok/s")
     print(f"\nWorker alone: decode steps of B sequences at context {args.context}, {args.steps} steps, "
-          f"{args.threads} torch thread(s); ms per step\n")
+          f"{args.threads} torch thread(s); {'wall' if args.wall else 'CPU'} ms per step\n")
     print("| model | dtype | backend | B | " + " | ".join(PHASES) + " | total | tok/s |")
     print("|---|---|---|---:|" + "---:|" * (len(PHASES) + 2))
     for name, dtype, backend, batch, ms in rows:
         cells = " | ".join(f"{ms[p]:.2f}" for p in PHASES)
         print(f"| {name} | {dtype} | {backend} | {batch} | {cells} | {ms['total']:.2f} | "
               f"{1000 * batch / ms['total']:,.0f} |")
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        text = (task / "children").read_text().split()
-        found += [int(c) for c in text]
-    return found + [g for c in found for g in _children(c)]
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def _process_name(pid: int) -> str:
@@ -179,16 +172,16 @@ def profile_stack(model_dir: Path, dtype: str, concurrency: int, args: argparse.
             "--base-url", server.url, "--model-dir", str(model_dir), "--dataset", "random", "--input-len",
             str(args.context), "--output-len", str(args.stack_output), "--num-prompts", str(args.stack_requests),
             "--max-concurrency", str(concurrency), "--disable-tqdm", "--warmup-requests", "2"])
-        pids = {p: _process_name(p) for p in [server.proc.pid, *_children(server.proc.pid)]}
+        pids = {p: _process_name(p) for p in [server.proc.pid, *descendants(server.proc.pid)]}
         # the warm-up happens inside benchmark(); measure CPU over the whole call and subtract nothing: the
         # warm-up is two short requests against hundreds
-        before = {p: _cpu_seconds(p) for p in pids}
+        before = {p: cpu_seconds(p) for p in pids}
         client_before, start = time.process_time(), time.perf_counter()
         report = asyncio.run(serving.benchmark(bench))
         wall = time.perf_counter() - start
         cpu = defaultdict(float)
         for p, name in pids.items():
-            cpu[name] += _cpu_seconds(p) - before[p]
+            cpu[name] += cpu_seconds(p) - before[p]
         cpu["client"] = time.process_time() - client_before
     point = report["points"][0]
     tokens = point["total_output_tokens"] if "total_output_tokens" in point else round(point["output_throughput"]
@@ -239,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads of the worker part; "
                    "OMP_NUM_THREADS of the stack")
     p.add_argument("--up-args", default="", help="extra `pagedserve up` flags")
+    p.add_argument("--wall", action="store_true", help="worker part: wall time instead of the thread's CPU time "
+                   "(the same on an idle machine with --threads 1)")
     args = p.parse_args(argv)
     import torch
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker import cpu_placement
+from gpu_worker import cpu_setup
 from gpu_worker.cache_engine import CacheEngine, CacheShape
 from gpu_worker.input_batch import prepare_inputs
 from gpu_worker.loader import load_config, load_model, resolve_dtype
@@ -37,10 +37,11 @@ def resolve_device(name: str) -> torch.device:
 class ModelRunner:
     def __init__(self, settings: Settings, model_dir: Path, progress: bool = True) -> None:
         self.settings = settings
-        cpu_placement.apply(cpu_placement.Placement(settings.compute_threads,
-                                                    cpu_placement.parse_cores(settings.cpu_cores)))
+        cpu_setup.apply(cpu_setup.Placement(settings.compute_threads, cpu_setup.parse_cores(settings.cpu_cores)))
         self.block_size = settings.block_size
         self.device = resolve_device(settings.device)
+        if self.device.type == "cpu":
+            cpu_setup.reuse_freed_memory()
         self.max_model_len = max_model_len(read_config(model_dir), settings.max_model_len)
         config = load_config(model_dir)
         self.dtype = resolve_dtype(settings.dtype, self.device, config)
@@ -105,8 +106,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _forward(self, chunks: list[tuple[SequenceState, int, int]], cache: CacheEngine) -> torch.Tensor:
         inputs = prepare_inputs(chunks, self.block_size, self.device)
-        attention = step_attention(self.backend, inputs.block_tables, inputs.query_start_loc, inputs.seq_lens)
-        ctx = ForwardContext(self.backend, cache.kv_caches, inputs.slot_mapping, attention)
+        ctx = ForwardContext(cache.kv_caches, step_attention(self.backend, inputs.slot_mapping, inputs.block_tables,
+                                                             inputs.query_start_loc, inputs.seq_lens))
         hidden = self.model(inputs.input_ids, inputs.positions, ctx)
         return self.model.compute_logits(hidden[inputs.logits_indices]).float()
 

@@ -4,9 +4,10 @@ The reference (kernels/reference.py) gathers slot by slot and rebuilds its indic
 layer; here a step's plan (which sequences decode, their blocks padded to a group's longest, the masks)
 is built once, at the first layer, and serves every layer of the step. Single-query sequences (decode)
 attend together in length-sorted groups: per group one index_select of whole blocks for K and one for
-V, one matmul for the scores of all heads, a softmax and one matmul for the output, computed in
-float32 whatever the cache dtype (a bfloat16 cache is read at half the bytes, not at lower precision).
-What bounds it is memory traffic: the gathered copies of K and V, not the arithmetic.
+V, one matmul for the scores of all heads, a softmax in float32 and one matmul for the output. The
+matmuls run in the cache dtype, as transformers' eager attention does (bfloat16 halves the bytes, and
+oneDNN multiplies it natively). What bounds it is memory traffic, the gathered copies of K and V, not the
+arithmetic.
 Multi-query chunks (prefill, with or without cached context) go through torch's fused CPU
 scaled_dot_product_attention in float32, causal with the context as offset.
 
@@ -48,20 +49,31 @@ class _Chunk:
 
 @dataclass(slots=True)
 class StepAttention:
-    """One step's attention, callable as `(query, key_cache, value_cache, scale)` in every layer."""
+    """One step's attention, callable as `(query, key, value, key_cache, value_cache, scale)` in every layer."""
+    slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     decodes: list[_DecodeGroup] = field(default_factory=list)
     chunks: list[_Chunk] = field(default_factory=list)
     planned: bool = False
+    slots: torch.Tensor | None = None  # slot_mapping as int64 when no slot is padding (< 0)
     whole: bool = False  # one decode group holds every query row in order: its output is the step's
 
-    def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, scale: float) -> torch.Tensor:
         if not self.planned:
             _, block_size, kv_heads, dim = key_cache.shape
             self._plan(block_size, kv_heads * dim, query.device)
+        if self.slots is None:
+            store_kv(key, value, key_cache, value_cache, self.slot_mapping)
+        else:  # no padding slot: straight into the caches
+            key_cache.view(-1, *key.shape[1:]).index_copy_(0, self.slots, key.to(key_cache.dtype))
+            value_cache.view(-1, *value.shape[1:]).index_copy_(0, self.slots, value.to(value_cache.dtype))
+        return self.attend(query, key_cache, value_cache, scale)
+
+    def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               scale: float) -> torch.Tensor:
         if self.whole:
             return _decode(query, key_cache, value_cache, self.decodes[0], scale)
         out = torch.empty_like(query)
@@ -73,6 +85,8 @@ class StepAttention:
         return out
 
     def _plan(self, block_size: int, token_elements: int, device: torch.device) -> None:
+        slots = self.slot_mapping.long()
+        self.slots = slots if bool((slots >= 0).all()) else None
         starts = self.query_start_loc.tolist()
         lens = self.seq_lens.tolist()
         tables = self.block_tables
@@ -117,14 +131,13 @@ class StepAttention:
 
 
 def _gather(cache: torch.Tensor, group: _DecodeGroup, zero_padding: bool) -> torch.Tensor:
-    """[size, kv_heads, num_blocks * block_size, head_dim] float32, contiguous: the group's keys or values."""
+    """[size, kv_heads, num_blocks * block_size, head_dim], contiguous: the group's keys or values."""
     _, block_size, kv_heads, dim = cache.shape
     n, width = group.size, group.num_blocks * block_size
     pages = cache.index_select(0, group.blocks)
     if zero_padding:
         pages.view(n * width, kv_heads * dim).index_fill_(0, group.padded_slots, 0.0)
-    out = torch.empty((n, kv_heads, width, dim), dtype=torch.float32, device=cache.device)
-    return out.copy_(pages.view(n, width, kv_heads, dim).transpose(1, 2))
+    return pages.view(n, width, kv_heads, dim).transpose(1, 2).contiguous()
 
 
 def _decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, group: _DecodeGroup,
@@ -132,13 +145,13 @@ def _decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
     kv_heads, dim = key_cache.shape[2], key_cache.shape[3]
     n, heads = group.size, query.shape[1]
     q = query[:n] if group.rows is None else query.index_select(0, group.rows)
-    q = q.view(n, kv_heads, heads // kv_heads, dim).float() * scale
+    q = q.view(n, kv_heads, heads // kv_heads, dim).to(key_cache.dtype) * scale
     # Slots past a sequence's end hold whatever an earlier owner of the block left (padding entries of the
     # table read the null block): masked out of the scores, and zeroed in the values, since 0 * NaN is NaN.
     scores = torch.matmul(q, _gather(key_cache, group, False).transpose(2, 3)).masked_fill_(group.padding,
                                                                                            float("-inf"))
-    out = torch.matmul(scores.softmax(dim=-1), _gather(value_cache, group, True))
-    return out.view(n, heads, dim).to(query.dtype)
+    probs = scores.softmax(dim=-1, dtype=torch.float32).to(key_cache.dtype)
+    return torch.matmul(probs, _gather(value_cache, group, True)).view(n, heads, dim).to(query.dtype)
 
 
 def _chunk(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, chunk: _Chunk,
@@ -156,12 +169,15 @@ def _chunk(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
     return o[0].transpose(0, 1).to(query.dtype)
 
 
-def step_attention(block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> StepAttention:
-    return StepAttention(block_tables, query_start_loc, seq_lens)
+def step_attention(slot_mapping: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                   seq_lens: torch.Tensor) -> StepAttention:
+    return StepAttention(slot_mapping, block_tables, query_start_loc, seq_lens)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     scale: float) -> torch.Tensor:
-    """The reference's signature: one layer's call (plans the step for this call alone)."""
-    return step_attention(block_tables, query_start_loc, seq_lens)(query, key_cache, value_cache, scale)
+    """The reference's signature: one layer's attention over caches already stored (plans for this call alone)."""
+    step = StepAttention(torch.empty(0, dtype=torch.int64), block_tables, query_start_loc, seq_lens)
+    step._plan(key_cache.shape[1], key_cache.shape[2] * key_cache.shape[3], query.device)
+    return step.attend(query, key_cache, value_cache, scale)

@@ -30,7 +30,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpu_worker.cpu_placement import format_cores, stack_placement
+from gpu_worker.cpu_setup import format_cores, stack_placement
 from pagedserve.restart_policy import ChildRestarts, GiveUp, RestartPolicy
 from shared.keys import Keys
 from shared.model_dir import ModelDirError, default_model_dir, resolve_model_dir, served_model_name

@@ -214,27 +214,34 @@ def test_cpu_backend_matches_reference_on_mixed_batches(block_size, head_dim, qp
 
 def test_cpu_backend_decode_groups_by_length_and_rows_out_of_order():
     """Decodes of very different lengths (several length groups), interleaved with a prefill chunk and a
-    sequence with no new token; one step's plan serves every layer (each with its own caches and queries)."""
-    rng = random.Random("cpu-groups")
+    sequence with no new token; one step's plan serves every layer, each storing its own keys and values
+    (through a padding slot) into NaN caches before attending."""
     chunks = [(3, 1), (0, 9), (700, 1), (40, 0), (5, 1), (260, 1), (130, 4), (1, 1), (1200, 1)]
-    first = make_batch(rng, chunks, 16, 64, 2, 2, torch.float32)
-    attend = step_attention(cpu_attention, first.block_tables, first.query_start_loc, first.seq_lens)
-    for layer in range(3):
-        batch = first if layer == 0 else make_batch(random.Random(layer), chunks, 16, 64, 2, 2, torch.float32)
-        if layer:  # the first layer's pages, this layer's keys, values and queries
-            batch.block_tables, batch.slot_mapping = first.block_tables, first.slot_mapping
-            batch.key_cache.fill_(float("nan"))
-            batch.value_cache.fill_(float("nan"))
-            reference.store_kv(batch.key, batch.value, batch.key_cache, batch.value_cache, batch.slot_mapping)
-        out = attend(batch.query, batch.key_cache, batch.value_cache, SCALE)
+    layers = [random_paged_batch(random.Random("cpu-groups"), chunks, 16, 64, 2, 2, torch.float32)]
+    layers += [random_paged_batch(random.Random("cpu-groups"), chunks, 16, 64, 2, 2, torch.float32) for _ in range(2)]
+    first = layers[0]
+    attend = step_attention(cpu_attention, first.slot_mapping, first.block_tables, first.query_start_loc,
+                            first.seq_lens)
+    for i, batch in enumerate(layers):  # the same pages (same seed); other keys, values and queries
+        gen = torch.Generator().manual_seed(i)
+        for t in (batch.key, batch.value, batch.query):
+            t.copy_(torch.randn(t.shape, generator=gen))
+        out = attend(batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, SCALE)
         torch.testing.assert_close(out, reference.paged_attention(*batch.attention_args(SCALE)),
                                    **tolerance(torch.float32))
-    assert len(attend.decodes) > 1 and attend.chunks
+    assert len(attend.decodes) > 1 and attend.chunks and attend.slots is None
 
 
-def test_step_attention_calls_a_backend_without_its_own_per_layer():
+@pytest.mark.parametrize("backend", [reference, cpu_attention])
+def test_step_attention_stores_then_attends(backend):
     rng = random.Random("bound")
-    batch = make_batch(rng, [(20, 3), (7, 1)], 16, 64, 2, 1, torch.float32)
-    attend = step_attention(reference, batch.block_tables, batch.query_start_loc, batch.seq_lens)
-    assert torch.equal(attend(batch.query, batch.key_cache, batch.value_cache, SCALE),
-                       reference.paged_attention(*batch.attention_args(SCALE)))
+    batch = random_paged_batch(rng, [(20, 3), (7, 1)], 16, 64, 2, 1, torch.float32)
+    keep = batch.slot_mapping >= 0  # no padding slot: the CPU backend's direct store
+    key, value, slots = batch.key[keep], batch.value[keep], batch.slot_mapping[keep]
+    expected = make_batch(random.Random("bound"), [(20, 3), (7, 1)], 16, 64, 2, 1, torch.float32)
+    attend = step_attention(backend, slots, batch.block_tables, batch.query_start_loc, batch.seq_lens)
+    out = attend(batch.query, key, value, batch.key_cache, batch.value_cache, SCALE)
+    assert torch.equal(batch.key_cache.nan_to_num(), expected.key_cache.nan_to_num())
+    assert torch.equal(batch.value_cache.nan_to_num(), expected.value_cache.nan_to_num())
+    torch.testing.assert_close(out, reference.paged_attention(*expected.attention_args(SCALE)),
+                               **tolerance(torch.float32))
