@@ -170,7 +170,8 @@ def profile_stack(model_dir: Path, dtype: str, concurrency: int, args: argparse.
     with Server(cmd, log, env) as server:
         bench = serving.build_parser().parse_args([
             "--base-url", server.url, "--model-dir", str(model_dir), "--dataset", "random", "--input-len",
-            str(args.context), "--output-len", str(args.stack_output), "--num-prompts", str(args.stack_requests),
+            str(args.context), "--output-len", str(args.stack_output), "--num-prompts",
+            str(args.stack_requests or max(16, 2 * concurrency)),
             "--max-concurrency", str(concurrency), "--disable-tqdm", "--warmup-requests", "2"])
         pids = {p: _process_name(p) for p in [server.proc.pid, *descendants(server.proc.pid)]}
         # the warm-up happens inside benchmark(); measure CPU over the whole call and subtract nothing: the
@@ -201,9 +202,9 @@ def stack_part(args: argparse.Namespace, models: dict[str, Path]) -> None:
                 rows.append((name, dtype, batch, r))
                 say(f"stack {name} {dtype} c={batch}: {r['tok/s']:.0f} tok/s, "
                     + ", ".join(f"{p} {r.get(p, 0):.1f} s" for p in STACK_PROCESSES))
-    print(f"\nWhole stack (`pagedserve up --workers 1`): {args.stack_requests} requests of {args.context} prompt / "
-          f"{args.stack_output} output tokens at concurrency c; CPU µs per output token per process "
-          f"(share of all CPU), and the wall time\n")
+    print(f"\nWhole stack (`pagedserve up --workers 1`): {args.stack_requests or 'max(16, 2c)'} requests of "
+          f"{args.context} prompt / {args.stack_output} output tokens at concurrency c; CPU µs per output token per "
+          f"process (share of all CPU), and the wall time\n")
     print("| model | dtype | c | out tok/s | " + " | ".join(STACK_PROCESSES) + " | all CPU s | wall s |")
     print("|---|---|---:|---:|" + "---:|" * (len(STACK_PROCESSES) + 2))
     for name, dtype, batch, r in rows:
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,16,64", help="sequences per step (worker), concurrency (stack)")
     p.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
     p.add_argument("--steps", type=int, default=16, help="worker part: decode steps measured")
-    p.add_argument("--stack-requests", type=int, default=128)
+    p.add_argument("--stack-requests", type=int, default=0, help="requests per stack run (0 = 2 × concurrency, ≥ 16)")
     p.add_argument("--stack-output", type=int, default=64)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the worker part; "
                    "OMP_NUM_THREADS of the stack")
