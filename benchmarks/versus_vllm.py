@@ -190,8 +190,8 @@ def run(args) -> int:
                 say(f"{model}: idle CPU over 10 s: " + ", ".join(
                     f"{s.label} {100 * (tree_cpu_seconds(s.proc.pid) - idle[s.label]) / 10:.1f} % of a core"
                     for s in systems))
-                for cell in cells(model, rated, [int(c) for c in args.vllm_concurrency.split(",")], args.vllm_min_prompts,
-                                  args.vllm_rated_seconds):
+                unlimited = [int(c) for c in args.vllm_concurrency.split(",")]
+                for cell in cells(model, rated, unlimited, args.vllm_min_prompts, args.vllm_rated_seconds):
                     for repeat in range(args.vllm_repeats):
                         order = systems[repeat % len(systems):] + systems[:repeat % len(systems)]
                         for system in order:

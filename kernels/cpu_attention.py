@@ -25,7 +25,7 @@ from kernels.reference import copy_blocks, store_kv
 __all__ = ["copy_blocks", "paged_attention", "step_attention", "store_kv"]
 
 # A decode group's gathered keys (float32 elements), as in the reference: bounds the memory of one call.
-_GROUP_ELEMENTS = 1 << 24
+_DECODE_GROUP_ELEMENTS = 1 << 24
 
 
 @dataclass(slots=True)
@@ -107,7 +107,7 @@ class StepAttention:
         group: list[int] = []
         for s in decodes:
             width = -(-lens[s] // block_size) * block_size
-            if group and ((len(group) + 1) * width * token_elements > _GROUP_ELEMENTS
+            if group and ((len(group) + 1) * width * token_elements > _DECODE_GROUP_ELEMENTS
                           or width > 2 * lens[group[0]] + block_size):
                 self.decodes.append(self._group(group, lens, starts, block_size, device))
                 group = []

@@ -176,7 +176,8 @@ class Stack:
         env = {ENV_PREFIX + "WORKER_ID": worker_id}
         if self.settings.compute_threads == 0 and not self.settings.cpu_cores:  # each its share of the cores
             place = stack_placement(index, workers)
-            env |= {ENV_PREFIX + "COMPUTE_THREADS": str(place.threads), ENV_PREFIX + "CPU_CORES": format_cores(place.cores)}
+            env |= {ENV_PREFIX + "COMPUTE_THREADS": str(place.threads),
+                    ENV_PREFIX + "CPU_CORES": format_cores(place.cores)}
         self.spawn(self.service(worker_id, "worker", "gpu_worker", env))
 
     def start_services(self, workers: int, gateway: bool = True) -> None:
