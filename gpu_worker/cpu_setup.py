@@ -56,12 +56,12 @@ def format_cores(cores: list[int]) -> str:
 def stack_placement(index: int, workers: int, cores: list[int] | None = None) -> Placement:
     """Worker `index` of `workers` on one machine beside the gateway, the scheduler and Redis.
 
-    With more cores than workers, the first core is left to those three and the rest are split evenly
-    (a worker gets at least one; the remainder stays with the front end); with as many workers as cores or
-    more, each worker gets one core, round robin.
+    With more cores than workers, the last core is left to those three (as vLLM's CPU backend leaves it to
+    its front end) and the rest are split evenly (a worker gets at least one; the remainder stays with the
+    front end); with as many workers as cores or more, each worker gets one core, round robin.
     """
     cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
-    usable = cores[1:] if len(cores) > workers else cores
+    usable = cores[:-1] if len(cores) > workers else cores
     share = max(1, len(usable) // workers)
     mine = usable[index * share:(index + 1) * share] or [usable[index % len(usable)]]
     return Placement(len(mine), mine)

@@ -22,12 +22,12 @@ def test_core_lists_parse_like_taskset():
 
 
 @pytest.mark.parametrize("cores,workers,expected", [
-    ([0, 1], 1, [[1]]),  # the first core is left to the gateway, scheduler and Redis
+    ([0, 1], 1, [[0]]),  # the last core is left to the gateway, scheduler and Redis
     ([0], 1, [[0]]),  # one core: shared
     ([0, 1], 2, [[0], [1]]),  # as many workers as cores: one each, nothing reserved
     ([0, 1], 3, [[0], [1], [0]]),  # more workers than cores: round robin
-    (list(range(16)), 2, [list(range(1, 8)), list(range(8, 15))]),  # even split, the remainder to the front end
-    ([2, 5, 7, 9], 1, [[5, 7, 9]]),
+    (list(range(16)), 2, [list(range(0, 7)), list(range(7, 14))]),  # even split, the remainder to the front end
+    ([2, 5, 7, 9], 1, [[2, 5, 7]]),
 ])
 def test_up_gives_each_worker_its_share_of_the_cores(cores, workers, expected):
     placements = [stack_placement(i, workers, cores) for i in range(workers)]
