@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker import cpu_setup
+from gpu_worker import cpu_setup, packed_linear
 from gpu_worker.cache_engine import CacheEngine, CacheShape
 from gpu_worker.input_batch import prepare_inputs
 from gpu_worker.loader import load_config, load_model, resolve_dtype
@@ -48,6 +48,8 @@ class ModelRunner:
         self.backend = attention_backend(settings.attention_backend, self.device.type)
         free_before, total = torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else (0, 0)
         self.model = load_model(model_dir, config, self.max_model_len, self.device, self.dtype, progress)
+        if packed_linear.can_pack(self.dtype, self.device):
+            packed_linear.pack_linears(self.model)
         layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         self.cache_shape = CacheShape(len(layers), layers[0].num_kv_heads, layers[0].head_dim, self.block_size,
                                       self.dtype)
