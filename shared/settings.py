@@ -35,7 +35,8 @@ class Settings:
     compute_threads: int = _opt(0, "a worker's torch compute threads; 0 = torch's default (OMP_NUM_THREADS, else one "
                                 "per core); `up` gives each worker its share of the cores")
     cpu_cores: str = _opt("", "cores a worker's threads are pinned to, e.g. 1 or 2-5,8 (empty = not pinned); `up` "
-                          "leaves the last core to the gateway, scheduler and Redis and splits the rest")
+                          "leaves the last core to the gateway, scheduler and Redis, splits the rest and pins "
+                          "workers of several threads")
     # KV cache
     block_size: int = _opt(16, "tokens per KV block (a power of two, 8-128)")
     kv_cache_bytes: int = _opt(256 << 20, "KV cache size on CPU, in bytes")

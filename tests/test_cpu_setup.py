@@ -31,8 +31,9 @@ def test_core_lists_parse_like_taskset():
 ])
 def test_up_gives_each_worker_its_share_of_the_cores(cores, workers, expected):
     placements = [stack_placement(i, workers, cores) for i in range(workers)]
-    assert [p.cores for p in placements] == expected
     assert [p.threads for p in placements] == [len(c) for c in expected]
+    # a team of threads is pinned to its cores; a single thread only limited to one, free to move
+    assert [p.cores for p in placements] == [c if len(c) > 1 else [] for c in expected]
 
 
 def test_a_worker_process_is_pinned_with_its_threads():
