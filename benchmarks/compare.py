@@ -11,6 +11,9 @@ one worker with prefix caching on and off, and benchmarks/plot.py writes the PNG
 which the target verdicts are appended. Every system gets the same KV memory per worker
 (--num-blocks; the baseline gets as many token slots), so memory limits the batch as on a GPU.
 Progress goes to stderr, server logs to --log-dir (default: a new folder under the temporary directory).
+
+`--systems vllm --vllm-bin PATH` runs instead the side-by-side with vLLM's CPU build of issue 16
+(benchmarks/versus_vllm.py) and prints its table; without --vllm-bin the vllm system is skipped with a message.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks import plot, serving
+from benchmarks import plot, serving, versus_vllm
 from shared.settings import Settings
 
 READY_TIMEOUT_S = 180.0
@@ -37,6 +40,7 @@ STOP_TIMEOUT_S = 60.0
 BASELINE, CONTIGUOUS, PAGED, PAGED_2W = "hf-static", "contiguous", "pagedserve-1w", "pagedserve-2w"
 PREFIX_ON, PREFIX_OFF = "prefix-on", "prefix-off"
 SYSTEMS = (BASELINE, CONTIGUOUS, PAGED, PAGED_2W, PREFIX_ON, PREFIX_OFF)  # run, plot and table order
+VLLM = "vllm"  # not in the sweep: with --vllm-bin, the side-by-side of benchmarks/versus_vllm.py
 
 
 class ServerError(RuntimeError):
@@ -273,11 +277,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every server process")
     p.add_argument("--up-args", default="", help="extra `pagedserve up` flags (e.g. '--device cuda')")
     p.add_argument("--baseline-args", default="", help="extra hf_static_server flags (e.g. '--device cuda')")
+    versus_vllm.add_arguments(p)
     args = p.parse_args(argv)
     args.systems = args.systems.split(",")
-    unknown = set(args.systems) - set(SYSTEMS)
+    unknown = set(args.systems) - set(SYSTEMS) - {VLLM}
     if unknown:
-        p.error(f"unknown system(s) {', '.join(sorted(unknown))}; choose from {', '.join(SYSTEMS)}")
+        p.error(f"unknown system(s) {', '.join(sorted(unknown))}; choose from {', '.join(SYSTEMS)}, {VLLM}")
+    if VLLM in args.systems:  # its own comparison (benchmarks/versus_vllm.py), then the sweep of the others
+        args.systems.remove(VLLM)
+        if args.vllm_bin is None:
+            say("skipping vllm: no --vllm-bin given (install vLLM's CPU build with benchmarks/install_vllm.sh)")
+        else:
+            code = versus_vllm.run(args)
+            if not args.systems:
+                return code
+        if not args.systems:
+            return 0
     plan = dataclasses.replace(QUICK if args.quick else FULL, up_args=args.up_args.split(),
                                baseline_args=args.baseline_args.split())
     if args.rates:

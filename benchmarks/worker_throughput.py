@@ -38,8 +38,23 @@ class Timing:
     tokens: list[list[int]]
 
 
+def word_tokenizer(vocab_size: int):
+    """A tokenizer for random models with a large vocabulary: token i is the word `t<i>` (0-2: <unk>, <s>,
+    </s>), so that every id decodes, and text of such words encodes back to the same ids (servers and
+    clients that speak text, vLLM's benchmark among them, can drive the model)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"t{i}": i for i in range(3, vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
 def write_llama_100m(out: Path) -> Path:
-    """A random Llama of about 100M parameters (8 layers of 768, GQA 12/4 heads, 32k vocabulary)."""
+    """A random Llama of about 100M parameters (8 layers of 768, GQA 12/4 heads, 32k vocabulary), with a
+    word tokenizer of its vocabulary."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
@@ -49,6 +64,7 @@ def write_llama_100m(out: Path) -> Path:
         torch.manual_seed(0)
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(out)
+    word_tokenizer(config.vocab_size).save_pretrained(out)
     return out
 
 

@@ -7,13 +7,14 @@ from pathlib import Path
 
 import torch
 
+from gpu_worker import cpu_setup, packed_linear
 from gpu_worker.cache_engine import CacheEngine, CacheShape
 from gpu_worker.input_batch import prepare_inputs
 from gpu_worker.loader import load_config, load_model, resolve_dtype
 from gpu_worker.models.layers import ForwardContext, PagedAttention
 from gpu_worker.sampler import SampledToken, Sampler
 from gpu_worker.sequence import SequenceState
-from kernels import attention_backend
+from kernels import attention_backend, step_attention
 from shared.model_dir import max_model_len, read_config
 from shared.sampling import SamplingParams
 from shared.settings import Settings
@@ -36,14 +37,19 @@ def resolve_device(name: str) -> torch.device:
 class ModelRunner:
     def __init__(self, settings: Settings, model_dir: Path, progress: bool = True) -> None:
         self.settings = settings
+        cpu_setup.apply(cpu_setup.Placement(settings.compute_threads, cpu_setup.parse_cores(settings.cpu_cores)))
         self.block_size = settings.block_size
         self.device = resolve_device(settings.device)
+        if self.device.type == "cpu":
+            cpu_setup.reuse_freed_memory()
         self.max_model_len = max_model_len(read_config(model_dir), settings.max_model_len)
         config = load_config(model_dir)
         self.dtype = resolve_dtype(settings.dtype, self.device, config)
         self.backend = attention_backend(settings.attention_backend, self.device.type)
         free_before, total = torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else (0, 0)
         self.model = load_model(model_dir, config, self.max_model_len, self.device, self.dtype, progress)
+        if packed_linear.can_pack(self.dtype, self.device):
+            packed_linear.pack_linears(self.model)
         layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         self.cache_shape = CacheShape(len(layers), layers[0].num_kv_heads, layers[0].head_dim, self.block_size,
                                       self.dtype)
@@ -102,8 +108,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _forward(self, chunks: list[tuple[SequenceState, int, int]], cache: CacheEngine) -> torch.Tensor:
         inputs = prepare_inputs(chunks, self.block_size, self.device)
-        ctx = ForwardContext(self.backend, cache.kv_caches, inputs.slot_mapping, inputs.block_tables,
-                             inputs.query_start_loc, inputs.seq_lens)
+        ctx = ForwardContext(cache.kv_caches, step_attention(self.backend, inputs.slot_mapping, inputs.block_tables,
+                                                             inputs.query_start_loc, inputs.seq_lens))
         hidden = self.model(inputs.input_ids, inputs.positions, ctx)
         return self.model.compute_logits(hidden[inputs.logits_indices]).float()
 

@@ -2,7 +2,7 @@
 
 Order, per row: stop tokens masked while `min_tokens` is not reached → repetition penalty (tokens of
 prompt and output) → frequency and presence penalties (output tokens) → greedy argmax, or
-temperature → min-p → top-k → top-p → a draw from the softmax.
+temperature → min-p → top-k → top-p → a draw from the softmax. A temperature below SAMPLING_EPS is greedy.
 
 Logprobs are those of the model's raw distribution (log-softmax of the logits before any penalty,
 temperature or truncation), vLLM's default: the chosen token's plus the `logprobs` most likely.
@@ -21,6 +21,10 @@ from dataclasses import dataclass, field
 import torch
 
 from gpu_worker.sequence import SequenceState
+
+# Temperatures below this are greedy, as in vLLM: logits / 1e-38 overflow float32 (and 5e-324 is 0 there),
+# and what is left of the distribution at such a temperature is its argmax anyway.
+SAMPLING_EPS = 1e-5
 
 
 @dataclass(slots=True)
@@ -136,7 +140,7 @@ class Sampler:
         return results
 
     def _choose(self, logits: torch.Tensor, seqs: list[SequenceState]) -> torch.Tensor:
-        greedy = [s.params.greedy for s in seqs]
+        greedy = [s.params.temperature < SAMPLING_EPS for s in seqs]
         if all(greedy):
             return logits.argmax(dim=-1)
         tokens = logits.argmax(dim=-1)

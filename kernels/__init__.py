@@ -1,19 +1,42 @@
-"""Paged-attention kernels: Triton for CUDA, a pure-torch reference with the same semantics elsewhere.
+"""Paged-attention kernels: Triton for CUDA, a CPU backend, and a pure-torch reference with the same semantics.
 
 `attention_backend(name, device_type)` is the one dispatch; every backend module exposes
 `store_kv`, `paged_attention` and `copy_blocks` with the signatures of `kernels.reference`.
+`step_attention` gives one step's attention, which every layer calls to store its new keys and values and
+attend; a backend that prepares what the layers share (indices, masks) once per step defines its own.
 """
 from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from typing import Callable
 
-BACKENDS = {"torch": "kernels.reference", "triton": "kernels.triton_ops"}
+import torch
+
+BACKENDS = {"torch": "kernels.reference", "triton": "kernels.triton_ops", "cpu": "kernels.cpu_attention"}
 
 
 def attention_backend(name: str = "auto", device_type: str = "cpu") -> ModuleType:
     if name == "auto":
-        name = "triton" if device_type == "cuda" else "torch"
+        name = "triton" if device_type == "cuda" else "cpu"
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of auto, {', '.join(BACKENDS)}")
     return importlib.import_module(BACKENDS[name])
+
+
+# (query, key, value, key_cache, value_cache, scale) -> attention output: one layer's call in a step
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def step_attention(backend: ModuleType, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> Attention:
+    """One step's paged attention: each layer stores its new keys/values at `slot_mapping` and attends."""
+    own = getattr(backend, "step_attention", None)
+    if own is not None:
+        return own(slot_mapping, block_tables, query_start_loc, seq_lens)
+
+    def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+               value_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        backend.store_kv(key, value, key_cache, value_cache, slot_mapping)
+        return backend.paged_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale)
+    return attend

@@ -30,6 +30,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpu_worker.cpu_setup import format_cores, stack_placement
 from pagedserve.restart_policy import ChildRestarts, GiveUp, RestartPolicy
 from shared.keys import Keys
 from shared.model_dir import ModelDirError, default_model_dir, resolve_model_dir, served_model_name
@@ -171,13 +172,18 @@ class Stack:
     def start_scheduler(self, name: str = "scheduler") -> None:
         self.spawn(self.service(name, "scheduler", self.scheduler_module))
 
-    def start_worker(self, worker_id: str) -> None:
-        self.spawn(self.service(worker_id, "worker", "gpu_worker", {ENV_PREFIX + "WORKER_ID": worker_id}))
+    def start_worker(self, worker_id: str, index: int = 0, workers: int = 1) -> None:
+        env = {ENV_PREFIX + "WORKER_ID": worker_id}
+        if self.settings.compute_threads == 0 and not self.settings.cpu_cores:  # each its share of the cores
+            place = stack_placement(index, workers)
+            env |= {ENV_PREFIX + "COMPUTE_THREADS": str(place.threads),
+                    ENV_PREFIX + "CPU_CORES": format_cores(place.cores)}
+        self.spawn(self.service(worker_id, "worker", "gpu_worker", env))
 
     def start_services(self, workers: int, gateway: bool = True) -> None:
         self.start_scheduler()
         for i in range(workers):
-            self.start_worker(f"worker-{i}")
+            self.start_worker(f"worker-{i}", i, workers)
         if gateway:
             self.spawn(self.service("gateway", "gateway", "gateway"))
 

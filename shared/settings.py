@@ -29,9 +29,14 @@ class Settings:
     served_model_name: str = _opt("", "model id clients use; empty = the model directory's name")
     dtype: str = _opt("auto", "weight and activation dtype", ("auto", "float32", "bfloat16", "float16"))
     device: str = _opt("auto", "worker device: auto picks cuda when available", ("auto", "cpu", "cuda"))
-    attention_backend: str = _opt("auto", "paged attention implementation: auto = triton on cuda, torch elsewhere",
-                                  ("auto", "torch", "triton"))
+    attention_backend: str = _opt("auto", "paged attention implementation: auto = triton on cuda, cpu elsewhere; "
+                                  "torch = the pure-torch reference", ("auto", "cpu", "torch", "triton"))
     max_model_len: int = _opt(0, "longest sequence (prompt + output); 0 = the model's own limit")
+    compute_threads: int = _opt(0, "a worker's torch compute threads; 0 = torch's default (OMP_NUM_THREADS, else one "
+                                "per core); `up` gives each worker its share of the cores")
+    cpu_cores: str = _opt("", "cores a worker's threads are pinned to, e.g. 1 or 2-5,8 (empty = not pinned); `up` "
+                          "leaves the last core to the gateway, scheduler and Redis, splits the rest and pins "
+                          "workers of several threads")
     # KV cache
     block_size: int = _opt(16, "tokens per KV block (a power of two, 8-128)")
     kv_cache_bytes: int = _opt(256 << 20, "KV cache size on CPU, in bytes")
@@ -85,7 +90,7 @@ class Settings:
                      "max_call_tokens", "redis_max_connections"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be at least 1; got {getattr(self, name)}")
-        for name in ("max_model_len", "num_blocks", "kv_cache_bytes", "swap_space_bytes"):
+        for name in ("max_model_len", "num_blocks", "kv_cache_bytes", "swap_space_bytes", "compute_threads"):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name} must be 0 or more; got {getattr(self, name)}")
         if not 0 < self.port < 65536:

@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from kernels import attention_backend, reference, triton_ops
+from kernels import attention_backend, cpu_attention, reference, step_attention, triton_ops
 from kernels.testing import PagedBatch, random_paged_batch
 
 SCALE = 0.125
@@ -192,7 +192,56 @@ def test_compiled_kernels_refuse_cpu_tensors_without_the_interpreter():
 
 def test_dispatch():
     assert attention_backend("triton", "cpu") is triton_ops
-    assert attention_backend("auto", "cpu") is reference
+    assert attention_backend("auto", "cpu") is cpu_attention
+    assert attention_backend("auto", "cuda") is triton_ops
+    assert attention_backend("torch", "cpu") is reference
     assert attention_backend("torch", "cuda") is reference
     with pytest.raises(ValueError, match="unknown attention backend"):
         attention_backend("flash", "cpu")
+
+
+# The CPU backend against the reference: the same NaN-poisoned caches, so a slot it reads past a sequence's
+# end (it gathers whole blocks, and pads short tables with the null block) must be masked out exactly.
+@pytest.mark.parametrize("block_size,head_dim,qpk,kv_heads,dtype", [
+    (8, 64, 1, 2, torch.float32), (16, 80, 4, 1, torch.float32), (32, 96, 8, 1, torch.float32),
+    (128, 128, 1, 2, torch.float32), (16, 64, 3, 2, torch.bfloat16), (8, 128, 2, 2, torch.float16)])
+def test_cpu_backend_matches_reference_on_mixed_batches(block_size, head_dim, qpk, kv_heads, dtype):
+    rng = random.Random(f"cpu-{block_size}-{head_dim}-{qpk}")
+    batch = make_batch(rng, mixed_chunks(rng, block_size), block_size, head_dim, qpk, kv_heads, dtype)
+    out = cpu_attention.paged_attention(*batch.attention_args(SCALE))
+    torch.testing.assert_close(out, reference.paged_attention(*batch.attention_args(SCALE)), **tolerance(dtype))
+
+
+def test_cpu_backend_decode_groups_by_length_and_rows_out_of_order():
+    """Decodes of very different lengths (several length groups), interleaved with a prefill chunk and a
+    sequence with no new token; one step's plan serves every layer, each storing its own keys and values
+    (through a padding slot) into NaN caches before attending."""
+    chunks = [(3, 1), (0, 9), (700, 1), (40, 0), (5, 1), (260, 1), (130, 4), (1, 1), (1200, 1)]
+    layers = [random_paged_batch(random.Random("cpu-groups"), chunks, 16, 64, 2, 2, torch.float32)]
+    layers += [random_paged_batch(random.Random("cpu-groups"), chunks, 16, 64, 2, 2, torch.float32) for _ in range(2)]
+    first = layers[0]
+    attend = step_attention(cpu_attention, first.slot_mapping, first.block_tables, first.query_start_loc,
+                            first.seq_lens)
+    for i, batch in enumerate(layers):  # the same pages (same seed); other keys, values and queries
+        gen = torch.Generator().manual_seed(i)
+        for t in (batch.key, batch.value, batch.query):
+            t.copy_(torch.randn(t.shape, generator=gen))
+        out = attend(batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, SCALE)
+        torch.testing.assert_close(out, reference.paged_attention(*batch.attention_args(SCALE)),
+                                   **tolerance(torch.float32))
+    assert len(attend.decodes) > 1 and attend.chunks and attend.slots is None
+
+
+@pytest.mark.parametrize("backend", [reference, cpu_attention])
+def test_step_attention_stores_then_attends(backend):
+    rng = random.Random("bound")
+    batch = random_paged_batch(rng, [(20, 3), (7, 1)], 16, 64, 2, 1, torch.float32)
+    keep = batch.slot_mapping >= 0  # no padding slot: the CPU backend's direct store
+    key, value, slots = batch.key[keep], batch.value[keep], batch.slot_mapping[keep]
+    expected = make_batch(random.Random("bound"), [(20, 3), (7, 1)], 16, 64, 2, 1, torch.float32)
+    attend = step_attention(backend, slots, batch.block_tables, batch.query_start_loc, batch.seq_lens)
+    out = attend(batch.query, key, value, batch.key_cache, batch.value_cache, SCALE)
+    assert torch.equal(batch.key_cache.nan_to_num(), expected.key_cache.nan_to_num())
+    assert torch.equal(batch.value_cache.nan_to_num(), expected.value_cache.nan_to_num())
+    torch.testing.assert_close(out, reference.paged_attention(*expected.attention_args(SCALE)),
+                               **tolerance(torch.float32))

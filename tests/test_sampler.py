@@ -157,3 +157,24 @@ def test_logprobs_come_from_the_raw_distribution():
     assert [t for t, _ in out.top_logprobs] == [1, 3, 0]
     assert [v for _, v in out.top_logprobs] == pytest.approx(raw[[1, 3, 0]].tolist())
     assert all(math.isfinite(v) for _, v in out.top_logprobs)
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-300, 5e-324, 9e-6])
+def test_tiny_temperatures_sample_the_argmax_not_padding(temperature):
+    """Issue 12, item 8: logits / 1e-38 overflowed float32 (5e-324 is 0 there) and argmax of NaN gave token 0."""
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(3, 40, generator=gen) * 4
+    logits[:, 0] = -1.0  # token 0 (<pad> in the tiny model) is never the argmax here
+    seqs = [seq(SamplingParams(temperature=temperature, top_p=0.9, seed=s), seq_id=s) for s in range(3)]
+    out = Sampler(CPU, seed=0)(logits, seqs, [])
+    assert [o.token_id for o in out] == logits.argmax(dim=-1).tolist()
+
+
+def test_the_smallest_sampling_temperature_still_samples():
+    """At SAMPLING_EPS and above a row samples: two near-equal logits both come up."""
+    from gpu_worker.sampler import SAMPLING_EPS
+
+    logits = torch.tensor([[0.0, 1.0, 1.0 + SAMPLING_EPS / 4, -3.0]]).repeat(64, 1)
+    seqs = [seq(SamplingParams(temperature=SAMPLING_EPS), seq_id=i) for i in range(64)]
+    tokens = {o.token_id for o in Sampler(CPU, seed=1)(logits, seqs, [])}
+    assert tokens == {1, 2}

@@ -1,6 +1,7 @@
-"""The CPU attention path (kernels.reference) against dense causal attention written out by hand.
+"""The CPU attention paths (kernels.cpu_attention and the reference) against dense causal attention written
+out by hand.
 
-The worker's tokens already match transformers through it; this pins the batched decode path
+The worker's tokens already match transformers through them; this pins the batched decode path
 (grouping, padding, GQA) on its own, with every slot it must not read set to NaN."""
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from worker_oracle import single_thread  # noqa: F401 (fixture)
 
-from kernels import reference
+from kernels import cpu_attention, reference
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -23,9 +24,10 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v.double()).float()
 
 
+@pytest.mark.parametrize("backend", [cpu_attention, reference])
 @pytest.mark.parametrize("group_elements", [1 << 24, 1 << 12])  # one decode batch, or many small ones
-def test_mixed_batch_matches_dense_attention(group_elements, monkeypatch):
-    monkeypatch.setattr(reference, "_DECODE_GROUP_ELEMENTS", group_elements)
+def test_mixed_batch_matches_dense_attention(backend, group_elements, monkeypatch):
+    monkeypatch.setattr(backend, "_DECODE_GROUP_ELEMENTS", group_elements)
     gen = torch.Generator().manual_seed(0)
     block_size, kv_heads, heads, dim, scale = 8, 2, 6, 16, 0.3
     # (context already cached, new tokens): decodes of many lengths, prefill chunks, a whole prompt, an idle slot
@@ -49,8 +51,8 @@ def test_mixed_batch_matches_dense_attention(group_elements, monkeypatch):
     new = [n for _, n in chunks]
     query_start_loc = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32)
     query = torch.randn(sum(new), heads, dim, generator=gen)
-    out = reference.paged_attention(query, key_cache, value_cache, tables, query_start_loc,
-                                    torch.tensor(seq_lens, dtype=torch.int32), scale)
+    out = backend.paged_attention(query, key_cache, value_cache, tables, query_start_loc,
+                                  torch.tensor(seq_lens, dtype=torch.int32), scale)
     for s, (start, n) in enumerate(zip(query_start_loc.tolist(), new)):
         if n:
             expected = dense_attention(query[start:start + n], keys[s], values[s], scale)

@@ -33,17 +33,19 @@ def generate(worker: Worker, batch: list[list[int]], new_tokens: int = NEW_TOKEN
     return [s.outputs for s in seqs]
 
 
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_matches_transformers(arch, tmp_path):
+def test_greedy_matches_transformers(arch, backend, tmp_path):
     model_dir = write_tiny(arch, tmp_path / arch)
     batch = prompts([3, 17, 40, 9])
-    assert generate(worker_for(model_dir), batch) == hf_greedy(model_dir, batch, NEW_TOKENS)
+    assert generate(worker_for(model_dir, attention_backend=backend), batch) == hf_greedy(model_dir, batch, NEW_TOKENS)
 
 
 def test_builtin_tiny_model_matches_transformers(tiny_model_dir):
     batch = prompts([6, 21, 35], vocab=512, seed=3)
     worker = worker_for(tiny_model_dir, block_size=8, num_blocks=2 * NUM_BLOCKS)
     assert worker.runner.dtype == torch.float32  # bf16 checkpoint, float32 on CPU by default
+    assert worker.runner.backend.__name__ == "kernels.cpu_attention"  # the default on CPU
     assert generate(worker, batch) == hf_greedy(tiny_model_dir, batch, NEW_TOKENS)
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any, Callable
 
 import torch
@@ -15,17 +14,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.models.base import UnsupportedModelError
+from kernels import Attention
 
 
 @dataclass(slots=True)
 class ForwardContext:
     """What attention needs for one step besides the activations."""
-    backend: ModuleType  # kernels.reference or kernels.triton_ops
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer [num_blocks, block_size, kv_heads, head_dim]
-    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with the null block 0
-    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: sequence s's tokens are rows [loc[s], loc[s+1])
-    seq_lens: torch.Tensor  # [num_seqs] int32: tokens in the sequence after this step
+    attention: Attention  # this step's store + paged attention (kernels.step_attention), shared by every layer
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -51,11 +47,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # float32 statistics whatever the activation dtype, as the reference implementations do
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # one fused op (float32 statistics whatever the activation dtype); in float32 it is bit for bit
+        # the reference implementations' x * rsqrt(mean(x²) + eps) * weight
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class MergedLinear(nn.Linear):
@@ -109,24 +103,25 @@ def _llama3_scaling(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Ten
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin of each token's position, computed once per step and shared by every layer."""
+    """cos/sin of each token's position, computed once per step and shared by every layer.
+
+    `sin` comes with its first half negated, so that rotating is `x * cos + x.roll(half) * sin`: three ops
+    instead of the split, negation and concatenation of `rotate_half`, with bit-identical results."""
 
     def __init__(self, head_dim: int, params: dict[str, Any]) -> None:
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, params), persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat((cos, cos), dim=-1)[:, None, :].to(dtype), torch.cat((-sin, sin), dim=-1)[:, None, :].to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` `[num_tokens, heads, head_dim]` (the half-split layout of Hugging Face checkpoints)."""
-    cos = cos[:, None, :].to(x.dtype)
-    sin = sin[:, None, :].to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    """Rotate `x` `[num_tokens, heads, head_dim]` (the half-split layout of Hugging Face checkpoints) by the
+    `RotaryEmbedding` of its tokens."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
 class PagedAttention(nn.Module):
@@ -143,9 +138,7 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """q `[T, heads, head_dim]`, k/v `[T, kv_heads, head_dim]` → `[T, heads * head_dim]`."""
         key_cache, value_cache = ctx.kv_caches[self.layer_idx]
-        ctx.backend.store_kv(k, v, key_cache, value_cache, ctx.slot_mapping)
-        out = ctx.backend.paged_attention(q, key_cache, value_cache, ctx.block_tables, ctx.query_start_loc,
-                                          ctx.seq_lens, self.scale)
+        out = ctx.attention(q, k, v, key_cache, value_cache, self.scale)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
 

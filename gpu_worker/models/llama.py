@@ -38,14 +38,15 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.out_sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return self.o_proj(self.attn(q, k, v, ctx))
+        qkv = self.qkv_proj(x).view(x.shape[0], self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        heads = self.num_heads
+        if self.q_norm is None:  # q and k side by side: one rotation for both
+            qk = apply_rotary(qkv[:, :heads + self.num_kv_heads], cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
+        else:
+            q = apply_rotary(self.q_norm(qkv[:, :heads]), cos, sin)
+            k = apply_rotary(self.k_norm(qkv[:, heads:heads + self.num_kv_heads]), cos, sin)
+        return self.o_proj(self.attn(q, k, qkv[:, heads + self.num_kv_heads:], ctx))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -73,7 +74,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions)
+        cos, sin = self.rotary_emb(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, ctx)
         return self.norm(x)
