@@ -32,6 +32,9 @@ class Settings:
     attention_backend: str = _opt("auto", "paged attention implementation: auto = triton on cuda, torch elsewhere",
                                   ("auto", "torch", "triton"))
     max_model_len: int = _opt(0, "longest sequence (prompt + output); 0 = the model's own limit")
+    simulate: str = _opt("", "run workers on a simulated device: a profile of gpu_worker/profiles.json (steps take "
+                         "the time its cost model gives, tokens are a hash of the sequence; the model directory "
+                         "gives only the tokenizer's facts); empty = the real model")
     # KV cache
     block_size: int = _opt(16, "tokens per KV block (a power of two, 8-128)")
     kv_cache_bytes: int = _opt(256 << 20, "KV cache size on CPU, in bytes")
