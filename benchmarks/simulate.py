@@ -135,12 +135,15 @@ def main(argv: list[str] | None = None) -> int:
     profile = get_profile(args.profile)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if args.plot_only:
-        paths = sorted(args.out_dir.glob("*.json"))
+        order = {f"{label}-{dataset}": i for i, (dataset, label) in
+                 enumerate((d, label) for d in FULL.rates for label in SYSTEMS)}
+        paths = sorted(args.out_dir.glob("*.json"), key=lambda path: order.get(path.stem, len(order)))
     else:
         paths = sweep(profile, QUICK if args.quick else FULL, args.out_dir)
     groups = plot.by_dataset(plot.load_reports(paths))
-    plot.plot_normalized_latency(groups, args.out_dir / "normalized_latency.png", None, PAGED)
-    plot.plot_throughput(groups, args.out_dir / "throughput.png")
+    title = f"SIMULATED: {profile.name}, virtual clock (benchmarks/simulate.py)"
+    plot.plot_normalized_latency(groups, args.out_dir / "normalized_latency.png", None, PAGED, title)
+    plot.plot_throughput(groups, args.out_dir / "throughput.png", title)
     text = summary(paths, profile)
     (args.out_dir / "summary.md").write_text(text, encoding="utf-8")
     print(text)
