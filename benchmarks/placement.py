@@ -143,8 +143,9 @@ def summary(rows: list[dict[str, Any]], shape: Shape) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_rows(rows: list[dict[str, Any]], out: Path) -> None:
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+def plot_rows(rows: list[dict[str, Any]], shape: Shape, out: Path) -> None:
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    fig.suptitle(f"SIMULATED: {shape.workers} x {shape.profile}, virtual clock (benchmarks/placement.py)", fontsize=10)
     for i, policy in enumerate(POLICIES):
         mine = [r for r in rows if r["policy"] == policy]
         rates = [r["rate"] for r in mine]
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rows = run(shape)
         results.write_text(json.dumps({"shape": asdict(shape), "rows": rows}, indent=1) + "\n", encoding="utf-8")
-    plot_rows(rows, args.out_dir / "placement.png")
+    plot_rows(rows, shape, args.out_dir / "placement.png")
     text = summary(rows, shape)
     (args.out_dir / "summary.md").write_text(text, encoding="utf-8")
     print(text)
