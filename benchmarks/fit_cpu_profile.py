@@ -3,7 +3,8 @@
     python -m benchmarks.fit_cpu_profile [--write] [--threads 1]
 
 Times the real worker's device side (ModelRunner.execute: one forward pass and sampling, float32, the torch
-reference attention) on a grid of steps: decode batches at several context lengths, prefill chunks, chunks
+reference attention), in CPU time of its thread (a simulated CPU step burns as much: gpu_worker/simulated.py),
+on a grid of steps: decode batches at several context lengths, prefill chunks, chunks
 after a context, mixed steps. Then fits the cost model's parameters for a CPU (gpu_worker/cost_model.py:
 peak FLOPs, memory bandwidth, attention's share of peak, per-step and per-sequence overheads) by least
 squares on the relative error, prints measured against fitted times, and with --write stores the fit in
@@ -49,8 +50,8 @@ def steps() -> list[list[tuple[int, int]]]:
 
 
 def measure(model_dir: Path, grid: list[list[tuple[int, int]]], reps: int) -> list[float]:
-    """Seconds of ModelRunner.execute per step of the grid: the fastest of `reps` runs, each pass over the grid in
-    a new order (other processes on a shared machine only ever add time, and now and then)."""
+    """CPU seconds of ModelRunner.execute (this thread's: what the step itself costs, whatever else runs on a shared
+    machine) per step of the grid; the least of `reps` runs, each pass over the grid in a new order."""
     from gpu_worker.model_runner import ModelRunner
     from gpu_worker.sequence import SequenceState
 
@@ -71,9 +72,9 @@ def measure(model_dir: Path, grid: list[list[tuple[int, int]]], reps: int) -> li
     best = [float("inf")] * len(grid)
     for _ in range(reps):
         for i in rng.permutation(len(grid)):
-            start = time.perf_counter()
+            start = time.thread_time()
             runner.execute(steps[i], [])
-            best[i] = min(best[i], time.perf_counter() - start)
+            best[i] = min(best[i], time.thread_time() - start)
     return best
 
 
@@ -127,7 +128,7 @@ def write(params: dict[str, float], errors: list[float], threads: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=1, help="torch threads, as the served workers run")
-    p.add_argument("--reps", type=int, default=40, help="passes over the grid (the fastest time of each step counts)")
+    p.add_argument("--reps", type=int, default=40, help="passes over the grid (the least time of each step counts)")
     p.add_argument("--write", action="store_true", help="store the fit in gpu_worker/profiles.json")
     args = p.parse_args(argv)
     import torch

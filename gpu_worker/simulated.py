@@ -2,9 +2,11 @@
 
 `SimulatedRunner` has the `Runner` protocol of gpu_worker/worker.py, so the real worker core (and with it
 the real worker service: registration, heartbeats, plans, results, swaps, copies, failure paths) runs on
-it unchanged. Per step it asks the profile's cost model how long the plan takes (gpu_worker/cost_model.py)
-and, when pacing, sleeps until that much wall time has passed since the step began; without pacing it
-returns at once and a discrete-event driver advances its own clock by `last_step_s`.
+it unchanged. Per step it asks the profile's cost model how long the plan takes (gpu_worker/cost_model.py).
+When pacing, a GPU step is device time: the runner sleeps until that much wall time has passed since the
+step began. A CPU step is CPU work: the runner burns that much of its thread's CPU time, so that it
+stretches as the real worker's step does when other processes want the cores. Without pacing it returns at
+once, and a discrete-event driver advances its own clock by `last_step_s`.
 
 Its tokens are a pure function of the request: a 64-bit rolling hash of the sequence's tokens so far (and,
 for a sampled request, its seed, or 0 without one, and its sample index), mod the vocabulary, never an EOS
@@ -71,6 +73,7 @@ class SimulatedRunner:
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.pace = pace
+        self.cpu = profile.device.kind == "cpu"
         self.cache = BlockMoves()
         self.last_step_s = 0.0
         # seq id → (rid, tokens hashed, hash): the next step extends the hash by the tokens since, instead of
@@ -79,7 +82,7 @@ class SimulatedRunner:
 
     def execute(self, chunks: list[tuple[SequenceState, int, int]],
                 eos_token_ids: list[int]) -> list[tuple[SequenceState, SampledToken]]:
-        started = time.perf_counter()
+        started = self._clock()
         sampled = [seq for seq, computed, new in chunks if computed + new == len(seq.token_ids)]
         self.last_step_s = self.profile.step_time([(computed, new) for _, computed, new in chunks], len(sampled),
                                                   self.cache.swapped, self.cache.copied, self.block_size)
@@ -93,8 +96,19 @@ class SimulatedRunner:
             out.append((seq, self._token(h ^ sample_salt(seq.params, seq.sample_index), seq.params, eos)))
         self._hashes = hashes
         if self.pace:
-            time.sleep(max(0.0, started + self.last_step_s - time.perf_counter()))
+            self._wait_until(started + self.last_step_s)
         return out
+
+    def _clock(self) -> float:
+        """What a step's time is counted in: the thread's CPU time on a CPU device, wall time on a GPU."""
+        return time.thread_time() if self.cpu else time.perf_counter()
+
+    def _wait_until(self, until: float) -> None:
+        if not self.cpu:
+            time.sleep(max(0.0, until - time.perf_counter()))
+            return
+        while time.thread_time() < until:  # CPU work: spin until this thread has spent it
+            pass
 
     def _sequence_hash(self, seq: SequenceState) -> int:
         rid, length, h = self._hashes.get(seq.seq_id, ("", 0, 0))
