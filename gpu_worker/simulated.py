@@ -15,6 +15,7 @@ the real stack hold. The logprobs it reports are those of a uniform distribution
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 
@@ -123,7 +124,10 @@ class SimulatedRunner:
         if params.logprobs is None:
             return SampledToken(token)
         logprob = -math.log(self.vocab_size)
-        top = [((token + i) % self.vocab_size, logprob) for i in range(min(params.logprobs, self.vocab_size))]
+        # The most likely tokens, all equally so: the chosen one and those after it, no EOS (beam search takes
+        # its candidates from here).
+        ids = (t % self.vocab_size for t in range(token, token + self.vocab_size))
+        top = [(t, logprob) for t in itertools.islice((t for t in ids if t not in eos), params.logprobs)]
         return SampledToken(token, logprob, top)
 
 
