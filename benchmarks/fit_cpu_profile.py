@@ -50,8 +50,10 @@ def steps() -> list[list[tuple[int, int]]]:
 
 
 def measure(model_dir: Path, grid: list[list[tuple[int, int]]], reps: int) -> list[float]:
-    """CPU seconds of ModelRunner.execute (this thread's: what the step itself costs, whatever else runs on a shared
-    machine) per step of the grid; the least of `reps` runs, each pass over the grid in a new order."""
+    """CPU seconds of ModelRunner.execute per step of the grid (this thread's: waiting for a core while other
+    processes run does not count), the median of `reps` passes over the grid, each in a new order. On a quiet
+    machine the median is the least; on a busy one it includes what sharing the core's caches and execution
+    units costs, which the real worker pays too while it serves."""
     from gpu_worker.model_runner import ModelRunner
     from gpu_worker.sequence import SequenceState
 
@@ -69,13 +71,13 @@ def measure(model_dir: Path, grid: list[list[tuple[int, int]]], reps: int) -> li
             next_block += blocks
         runner.execute(seqs, [])  # warm-up
         steps.append(seqs)
-    best = [float("inf")] * len(grid)
+    samples: list[list[float]] = [[] for _ in grid]
     for _ in range(reps):
         for i in rng.permutation(len(grid)):
             start = time.thread_time()
             runner.execute(steps[i], [])
-            best[i] = min(best[i], time.thread_time() - start)
-    return best
+            samples[i].append(time.thread_time() - start)
+    return [statistics.median(s) for s in samples]
 
 
 def fit(grid: list[list[tuple[int, int]]], measured: list[float]) -> dict[str, float]:
@@ -107,13 +109,13 @@ def fit(grid: list[list[tuple[int, int]]], measured: list[float]) -> dict[str, f
             "step_overhead_s": float(coef[0, best]), "seq_overhead_s": float(coef[1, best])}
 
 
-def write(params: dict[str, float], errors: list[float], threads: int) -> None:
+def write(params: dict[str, float], errors: list[float], threads: int, reps: int) -> None:
     data = json.loads(PROFILES_PATH.read_text(encoding="utf-8"))
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     where = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads {threads}"
-    source = (f"measured: benchmarks/fit_cpu_profile.py on {when} ({where}): ModelRunner.execute step times of "
-              f"the built-in model on {len(errors)} steps, fitted with a median relative error of "
-              f"{statistics.median(errors):.1%} (largest {max(errors):.1%})")
+    source = (f"measured: benchmarks/fit_cpu_profile.py on {when} ({where}): ModelRunner.execute CPU times of "
+              f"the built-in model on {len(errors)} steps (median of {reps} passes), fitted with a median relative "
+              f"error of {statistics.median(errors):.1%} (largest {max(errors):.1%})")
     device = data["devices"]["cpu-2core"]
     device.update(peak_flops=round(params["peak_flops"], -6), memory_bandwidth=round(params["memory_bandwidth"], -6),
                   host_bandwidth=round(params["memory_bandwidth"], -6), source=source)
@@ -128,7 +130,7 @@ def write(params: dict[str, float], errors: list[float], threads: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=1, help="torch threads, as the served workers run")
-    p.add_argument("--reps", type=int, default=40, help="passes over the grid (the least time of each step counts)")
+    p.add_argument("--reps", type=int, default=40, help="passes over the grid (the median time of each step counts)")
     p.add_argument("--write", action="store_true", help="store the fit in gpu_worker/profiles.json")
     args = p.parse_args(argv)
     import torch
@@ -158,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     print("fit: " + ", ".join(f"{k} {v:.4g}" for k, v in params.items())
           + f"; median error {statistics.median(errors):.1%}, largest {max(errors):.1%}")
     if args.write:
-        write(params, errors, args.threads)
+        write(params, errors, args.threads, args.reps)
     return 0
 
 
