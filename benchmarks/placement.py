@@ -121,8 +121,8 @@ def run(shape: Shape) -> list[dict[str, Any]]:
                    "num_blocks": stats["num_blocks"]}
             rows.append(row)
             say(f"{rate:g} req/s {policy}: {row['output_throughput']:.0f} out tok/s, "
-                f"TTFT p90 {row['ttft_p90_s']:.2f} s, hit rate {row['hit_rate']:.3f} of {row['best_hit_rate']:.3f}, {row['preemptions']} preemptions "
-                f"({time.perf_counter() - start:.0f} s)")
+                f"TTFT p90 {row['ttft_p90_s']:.2f} s, hit rate {row['hit_rate']:.3f} of {row['best_hit_rate']:.3f}, "
+                f"{row['preemptions']} preemptions ({time.perf_counter() - start:.0f} s)")
     return rows
 
 
