@@ -14,6 +14,10 @@ Progress goes to stderr, server logs to --log-dir (default: a new folder under t
 
 `--systems vllm --vllm-bin PATH` runs instead the side-by-side with vLLM's CPU build of issue 16
 (benchmarks/versus_vllm.py) and prints its table; without --vllm-bin the vllm system is skipped with a message.
+
+`--systems pagedserve-1w,simulated-1w` checks the simulated worker instead (issue 15): the same sweep on the
+real stack and on the stack with a simulated worker fitted to this machine (`up --simulate cpu-tiny`), rate by
+rate, and the error of the simulated normalized latency at each rate.
 """
 from __future__ import annotations
 
@@ -39,7 +43,11 @@ READY_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 60.0
 BASELINE, CONTIGUOUS, PAGED, PAGED_2W = "hf-static", "contiguous", "pagedserve-1w", "pagedserve-2w"
 PREFIX_ON, PREFIX_OFF = "prefix-on", "prefix-off"
-SYSTEMS = (BASELINE, CONTIGUOUS, PAGED, PAGED_2W, PREFIX_ON, PREFIX_OFF)  # run, plot and table order
+# pagedserve with a simulated worker fitted to this machine (gpu_worker/simulated.py, profile cpu-tiny): run with
+# PAGED to check the simulation against the real stack (`--systems pagedserve-1w,simulated-1w`); not by default.
+SIMULATED = "simulated-1w"
+SYSTEMS = (BASELINE, CONTIGUOUS, PAGED, PAGED_2W, PREFIX_ON, PREFIX_OFF, SIMULATED)  # run, plot and table order
+SIMULATION_TOLERANCE = 0.15
 VLLM = "vllm"  # not in the sweep: with --vllm-bin, the side-by-side of benchmarks/versus_vllm.py
 
 
@@ -140,6 +148,7 @@ def server_commands(model: Path, plan: Plan) -> dict[str, list[str]]:
         PAGED_2W: [*up, "--workers", "2"],
         PREFIX_ON: [*up, "--workers", "1", "--enable-prefix-caching"],
         PREFIX_OFF: [*up, "--workers", "1", "--no-enable-prefix-caching"],
+        SIMULATED: [*up, "--workers", "1", "--simulate", "cpu-tiny"],
     }
 
 
@@ -223,6 +232,8 @@ def targets(paths: list[Path]) -> str:
                     lines.append(f"{pair}: no ratio, " + " and ".join(f"`{n}`" for n in over)
                                  + f" over the threshold at every measured rate (target ≥ {goal}×: {verdict}; "
                                  "measure lower rates to place it)")
+        if PAGED in by and SIMULATED in by:
+            lines += validation(dataset, by[PAGED], by[SIMULATED])
         if PREFIX_ON in by and PREFIX_OFF in by:
             on = {p["request_rate"]: p["ttft_ms"]["mean"] for p in by[PREFIX_ON].points}
             off = {p["request_rate"]: p["ttft_ms"]["mean"] for p in by[PREFIX_OFF].points}
@@ -233,6 +244,26 @@ def targets(paths: list[Path]) -> str:
                                  f"{ratio:.3f}× lower with prefix caching (target ≥ 2×: "
                                  f"{'met' if ratio >= 2 else 'NOT met'})")
     return "\n".join(lines) + "\n"
+
+
+def validation(dataset: str, real: plot.Report, simulated: plot.Report) -> list[str]:
+    """The simulated stack against the real one, rate by rate: its normalized latency within 15 % at each rate
+    below saturation (where the real stack stays within twice its lowest normalized latency)."""
+    floor = plot.min_norm(real)
+    sim = {p["request_rate"]: p["normalized_latency_s_per_token"] for p in simulated.points}
+    lines = [f"- {dataset}: `{SIMULATED}` against `{PAGED}` (normalized latency, s/token; saturation: above "
+             f"2 × {floor:.4f})", "", "  | rate | real | simulated | error | below saturation | within "
+             f"{SIMULATION_TOLERANCE:.0%} |", "  |---|---|---|---|---|---|"]
+    for p in real.rated_points():
+        rate, norm = p["request_rate"], p["normalized_latency_s_per_token"]
+        if norm is None or sim.get(rate) is None:
+            continue
+        error = (sim[rate] - norm) / norm
+        below = norm <= 2 * floor
+        verdict = ("yes" if abs(error) <= SIMULATION_TOLERANCE else "NO") if below else "-"
+        lines.append(f"  | {rate:g} | {norm:.4f} | {sim[rate]:.4f} | {error:+.1%} | {'yes' if below else 'no'} "
+                     f"| {verdict} |")
+    return lines + [""]
 
 
 def measure(args: argparse.Namespace, plan: Plan) -> list[Path]:
@@ -270,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", type=Path, default=None, help="model directory (default: the built-in tiny model)")
     p.add_argument("--rates", default=None, help="comma-separated request rates (overrides the plan's)")
     p.add_argument("--num-prompts", type=int, default=None, help="requests per point (default: ~10 s of arrivals)")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated labels to run")
+    p.add_argument("--systems", default=",".join(s for s in SYSTEMS if s != SIMULATED),
+                   help=f"comma-separated labels to run, of {', '.join(SYSTEMS)}")
     p.add_argument("--max-model-len", type=int, default=None, help="every system's sequence limit")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks of 16 tokens per worker")
     p.add_argument("--length-scale", type=float, default=None, help="multiplies the ShareGPT lengths")

@@ -1,9 +1,13 @@
-"""The Orca-style contiguous-reservation baseline (the paper's Orca-Max) on pagedserve's own machinery.
+"""The Orca-style contiguous-reservation baselines (the vLLM paper's Orca) on pagedserve's own machinery.
 
-A per-worker scheduler that, when it admits a request, reserves a whole max_model_len of KV blocks for
-each of its sequences (within the worker's capacity), as a contiguous allocator must, so a request never
-grows into new blocks and the batch is as small as the reservations make it. Benchmarks only: the
-product allocates blocks on demand.
+A per-worker scheduler that, when it admits a request, reserves KV blocks for the whole length each of its
+sequences may reach (within the worker's capacity), as a contiguous allocator must, so a request never grows
+into new blocks and the batch is as small as the reservations make it. The paper's three variants differ in
+what they reserve: Orca (Max) max_model_len; Orca (Pow2) the prompt plus its output length rounded up to a
+power of two ("if the true output length is 25, it reserves 32 positions for outputs"); Orca (Oracle) the
+prompt plus exactly its output length. Pow2 and Oracle know the output length: `max_tokens`, which is the
+output length of the benchmarks' requests (they ignore EOS). Benchmarks only: the product allocates blocks
+on demand.
 
     python -m benchmarks.contiguous up --model M ...   # `pagedserve up` with this scheduler
     python -m benchmarks.contiguous                    # the scheduler service alone (what `up` starts)
@@ -21,12 +25,17 @@ from shared.settings import Settings
 
 
 class Reserving:
-    """Mixed into a WorkerScheduler: admission takes a max_model_len reservation per sequence, or waits."""
+    """Mixed into a WorkerScheduler: admission takes a max_model_len reservation per sequence (Orca (Max)),
+    or waits."""
+
+    def _reserved_tokens(self: WorkerScheduler, rs: RequestState) -> int:
+        return self.reg.max_model_len
 
     def _reservation(self: WorkerScheduler, rs: RequestState) -> int:
         """Blocks each sequence of the request reserves."""
         share = self.kv.pool.num_usable // max(1, len(rs.live_samples))
-        return cdiv(min(self.reg.max_model_len, share * self.kv.block_size), self.kv.block_size)
+        tokens = min(self._reserved_tokens(rs), self.reg.max_model_len, share * self.kv.block_size)
+        return cdiv(tokens, self.kv.block_size)
 
     def _admit(self: WorkerScheduler, rs: RequestState, step: StepBuilder) -> bool:
         if self._reservation(rs) * len(rs.live_samples) + self._keep_free() > self.kv.num_free:
@@ -53,6 +62,20 @@ class Reserving:
                 seq.resend_table = True  # the worker learns of the blocks with the sequence's next chunk
 
 
+class Pow2Reserving(Reserving):
+    """Orca (Pow2): the prompt plus the output length rounded up to a power of two."""
+
+    def _reserved_tokens(self: WorkerScheduler, rs: RequestState) -> int:
+        return len(rs.prompt) + (1 << (rs.req.params.max_tokens - 1).bit_length())
+
+
+class OracleReserving(Reserving):
+    """Orca (Oracle): the prompt plus exactly the output length."""
+
+    def _reserved_tokens(self: WorkerScheduler, rs: RequestState) -> int:
+        return len(rs.prompt) + rs.req.params.max_tokens
+
+
 class ReservingScheduler(Reserving, WorkerScheduler):
     pass
 
@@ -61,8 +84,32 @@ class ReservingLookaheadScheduler(Reserving, LookaheadScheduler):
     pass
 
 
-def scheduler_class(settings: Settings) -> type[WorkerScheduler]:
-    return ReservingLookaheadScheduler if settings.async_scheduling else ReservingScheduler
+class Pow2ReservingScheduler(Pow2Reserving, WorkerScheduler):
+    pass
+
+
+class Pow2ReservingLookaheadScheduler(Pow2Reserving, LookaheadScheduler):
+    pass
+
+
+class OracleReservingScheduler(OracleReserving, WorkerScheduler):
+    pass
+
+
+class OracleReservingLookaheadScheduler(OracleReserving, LookaheadScheduler):
+    pass
+
+
+# reservation → (scheduler, with async scheduling)
+RESERVATIONS: dict[str, tuple[type[WorkerScheduler], type[WorkerScheduler]]] = {
+    "max": (ReservingScheduler, ReservingLookaheadScheduler),
+    "pow2": (Pow2ReservingScheduler, Pow2ReservingLookaheadScheduler),
+    "oracle": (OracleReservingScheduler, OracleReservingLookaheadScheduler),
+}
+
+
+def scheduler_class(settings: Settings, reservation: str = "max") -> type[WorkerScheduler]:
+    return RESERVATIONS[reservation][settings.async_scheduling]
 
 
 def main(argv: list[str] | None = None) -> None:

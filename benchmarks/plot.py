@@ -65,7 +65,7 @@ def system_colors(groups: dict[str, list[Report]]) -> dict[str, str]:
 
 
 def plot_normalized_latency(groups: dict[str, list[Report]], out: Path, max_latency: float | None,
-                            baseline: str) -> None:
+                            baseline: str, title: str = "") -> None:
     """Log latency axis: the systems' knees lie a decade or more apart. A dashed line marks the targets'
     threshold (twice the baseline's minimum) in the panels that have the baseline."""
     colors = system_colors(groups)
@@ -86,12 +86,10 @@ def plot_normalized_latency(groups: dict[str, list[Report]], out: Path, max_late
             ax.set_ylim(top=max_latency)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    _finish(fig, out, title)
 
 
-def plot_throughput(groups: dict[str, list[Report]], out: Path) -> None:
+def plot_throughput(groups: dict[str, list[Report]], out: Path, title: str = "") -> None:
     """The best output throughput of each system, one panel per dataset (each with its own systems)."""
     colors = system_colors(groups)
     fig, axes = plt.subplots(1, len(groups), figsize=(sum(1.2 + 0.9 * len(r) for r in groups.values()), 3.6),
@@ -104,6 +102,13 @@ def plot_throughput(groups: dict[str, list[Report]], out: Path) -> None:
         ax.set_title(dataset)
         ax.grid(axis="y", alpha=0.3)
     axes[0][0].set_ylabel("best output throughput (tokens/s)")
+    _finish(fig, out, title)
+
+
+def _finish(fig: plt.Figure, out: Path, title: str) -> None:
+    """Lay out, title (e.g. to mark simulated figures) and write the figure."""
+    if title:
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)

@@ -126,3 +126,17 @@ def arrival_times(num: int, request_rate: float, burstiness: float, seed: int) -
     gaps = np.random.default_rng(seed).gamma(burstiness, 1.0 / (request_rate * burstiness), num)
     gaps[0] = 0.0  # the first request starts the clock
     return np.cumsum(gaps).tolist()
+
+
+def prefix_groups(num_groups: int, group_size: int, system_len: int, question_len: int, output_len: int,
+                  vocab_size: int, seed: int) -> list[SampleRequest]:
+    """The shape of llm-d's shared-prefix capacity benchmark: `num_groups` system prompts of `system_len` random
+    tokens, each followed by `group_size` distinct questions of `question_len`; every prompt asks for
+    `output_len` tokens; all groups' prompts in one shuffled order."""
+    rng = np.random.default_rng([seed, 2])
+    requests = []
+    for _ in range(num_groups):
+        system = rng.integers(0, vocab_size, system_len).tolist()
+        requests += [SampleRequest(system + rng.integers(0, vocab_size, question_len).tolist(), output_len)
+                     for _ in range(group_size)]
+    return [requests[i] for i in rng.permutation(len(requests))]

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpu_worker.cpu_setup import format_cores, stack_placement
+from gpu_worker.cost_model import ProfileError, get_profile
 from pagedserve.restart_policy import ChildRestarts, GiveUp, RestartPolicy
 from shared.keys import Keys
 from shared.model_dir import ModelDirError, default_model_dir, resolve_model_dir, served_model_name
@@ -324,7 +325,8 @@ class Readiness:
 
 
 def ensure_model(settings: Settings) -> Settings:
-    """Without --model: the built-in tiny model, written to the cache folder on first use."""
+    """Without --model: the built-in tiny model, written to the cache folder on first use (simulated workers
+    too: the gateway serves its tokenizer, and the workers' tokens come from its vocabulary)."""
     if settings.model:
         return settings
     path = default_model_dir()
@@ -353,7 +355,9 @@ def up(settings: Settings, workers: int, redis_port: int = 0, policy: RestartPol
     try:
         settings = ensure_model(settings)
         resolve_model_dir(settings.model)
-    except ModelDirError as e:
+        if settings.simulate:
+            get_profile(settings.simulate)
+    except (ModelDirError, ProfileError) as e:
         say(str(e))
         return 2
     stack = Stack(settings, scheduler_module=scheduler_module)

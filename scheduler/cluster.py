@@ -287,11 +287,16 @@ class Cluster:
             self._collect([FinishedRequest(rs.rid, "error", misfits[largest.worker_id], REJECTED)])
             return
         uncached = {ws.worker_id: ws.uncached_prompt(rs) for ws in fitting}
-        ws = min(fitting, key=lambda w: _placement_key(uncached[w.worker_id], w))
+        ws = self._choose(fitting, uncached)
         rs.uncached = uncached[ws.worker_id]
         rs.unplaced_since = None
         ws.enqueue(rs)
         self.placements.append((rs.rid, ws.worker_id))
+
+    def _choose(self, fitting: list[WorkerScheduler], uncached: dict[str, int]) -> WorkerScheduler:
+        """The placement policy: of the workers that can run a request (with the prompt tokens each would have to
+        compute for it), the one it goes to. Benchmarks subclass this for baselines."""
+        return min(fitting, key=lambda w: _placement_key(uncached[w.worker_id], w))
 
     # ---- steps ----------------------------------------------------------------------------
     def schedule(self, worker_id: str) -> StepPlan | None:

@@ -37,6 +37,9 @@ class Settings:
     cpu_cores: str = _opt("", "cores a worker's threads are pinned to, e.g. 1 or 2-5,8 (empty = not pinned); `up` "
                           "leaves the last core to the gateway, scheduler and Redis, splits the rest and pins "
                           "workers of several threads")
+    simulate: str = _opt("", "run workers on a simulated device: a profile of gpu_worker/profiles.json (steps take "
+                         "the time its cost model gives, tokens are a hash of the sequence; the model directory "
+                         "gives only the tokenizer's facts); empty = the real model")
     # KV cache
     block_size: int = _opt(16, "tokens per KV block (a power of two, 8-128)")
     kv_cache_bytes: int = _opt(256 << 20, "KV cache size on CPU, in bytes")

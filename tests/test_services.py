@@ -114,11 +114,17 @@ def _stream_with_fault(client: BusClient, stack: Stack, batch, fault) -> list[li
     return [client.output(r) for r in rids]
 
 
-def test_worker_killed_mid_stream(redis_url, stack_factory, reference):
-    stack, client = stack_factory(redis_url)
+# The fault tests run the real workers and, with `simulate`, simulated ones (gpu_worker/simulated.py): the same
+# worker service over a runner that sleeps for its cost model's step time and hashes its tokens.
+ON_BOTH = pytest.mark.parametrize("simulate", ["", "cpu-tiny"], ids=["model", "simulated"])
+
+
+@ON_BOTH
+def test_worker_killed_mid_stream(redis_url, stack_factory, reference, simulate):
+    stack, client = stack_factory(redis_url, simulate=simulate)
     batch = prompts(16, seed=3)
     got = _stream_with_fault(client, stack, batch, lambda: stack.kill("w1"))
-    assert got == reference(batch)
+    assert got == reference(batch, simulate=simulate)
     client.wait_for(lambda: [w.worker_id for w in client.stats().workers] == ["w0"], "w1 to be dropped")
 
 
@@ -202,10 +208,11 @@ def test_redis_data_loss_recreates_the_consumer_group(redis_url, stack_factory, 
     assert "creating it again" in stack.log("scheduler")
 
 
-def test_a_worker_stuck_in_a_step_is_dropped_and_its_requests_move(redis_url, stack_factory, reference):
+@ON_BOTH
+def test_a_worker_stuck_in_a_step_is_dropped_and_its_requests_move(redis_url, stack_factory, reference, simulate):
     """A worker whose heartbeat lives on but whose step never ends (a hung GPU, a deadlock): played here by a
     registration and heartbeat the test keeps alive, with nothing reading its plans."""
-    stack, client = stack_factory(redis_url, workers=("w0",), step_timeout=2.0)
+    stack, client = stack_factory(redis_url, workers=("w0",), step_timeout=2.0, simulate=simulate)
     keys = Keys()
     stuck = dataclasses.replace(client.workers()["w0"][0], worker_id="stuck", instance="stuck-instance")
     stop = threading.Event()
@@ -222,7 +229,7 @@ def test_a_worker_stuck_in_a_step_is_dropped_and_its_requests_move(redis_url, st
         batch = prompts(8, seed=11)
         rids = [client.submit(p, GREEDY) for p in batch]
         client.wait(rids, stack=stack)
-        assert [client.output(r) for r in rids] == reference(batch)
+        assert [client.output(r) for r in rids] == reference(batch, simulate=simulate)
         assert client.redis.xlen(keys.plans("stuck")) >= 1, "some requests were placed on the stuck worker"
         assert "has not finished step" in stack.log("scheduler")
         assert "stuck" in client.live_workers()
