@@ -48,6 +48,7 @@ class SchedulerService:
         self.worker_scheduler = worker_scheduler
         self.cluster = Cluster(settings, worker_scheduler=worker_scheduler)
         self.monitor = CacheMonitor()
+        self.watched = False  # whether a dashboard's watch key was alive at the last tick
         self.entry_ids: dict[str, bytes] = {}  # rid → its entry in the requests stream, acked at the end
         self.lease = Lease(self.client, self.keys.scheduler_lease, self.name, int(settings.heartbeat_ttl * 1000))
         self.reread_pending = False
@@ -262,14 +263,15 @@ class SchedulerService:
         await self.pump()
 
     async def _publish_state(self, now: float) -> None:
-        """The stats /metrics exports; and, while a dashboard watches, the cache snapshot it shows."""
+        """The stats /metrics exports and, while a dashboard watches (as of the last tick), the cache snapshot it
+        shows: both taken before anything else runs, so they agree."""
+        snapshot = self.monitor.tick(self.cluster, now, self.watched)
         async with self.client.pipeline(transaction=False) as pipe:
             pipe.set(self.keys.stats, encode(self.cluster.stats(now)))
+            if snapshot is not None:
+                pipe.set(self.keys.cache_snapshot, encode(snapshot), px=SNAPSHOT_TTL_MS)
             pipe.exists(self.keys.dashboard_watch)
-            _, watched = await pipe.execute()
-        snapshot = self.monitor.tick(self.cluster, now, bool(watched))
-        if snapshot is not None:
-            await self.client.set(self.keys.cache_snapshot, encode(snapshot), px=SNAPSHOT_TTL_MS)
+            self.watched = bool((await pipe.execute())[-1])
 
     async def _housekeeping(self) -> None:
         while not self.stop_event.is_set():

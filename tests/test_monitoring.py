@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import promql_parser
 import pytest
 import yaml
@@ -14,6 +15,9 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.cog.plugins import register_default_plugins
 from grafana_foundation_sdk.models.dashboard import Dashboard
 from test_compose import load, resolved
+
+from gateway.dashboard import _buckets, histogram_quantile
+from gateway.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -137,3 +141,19 @@ def test_the_monitoring_profile_mounts_deploy_where_prometheus_and_grafana_read_
     assert mounts[provider["options"]["path"]] == DASHBOARD.parent
     home = services["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     assert mounts[str(Path(home).parent)] / Path(home).name == DASHBOARD
+
+
+@pytest.mark.parametrize("q", [0.5, 0.9, 0.99])
+def test_the_pages_latency_quantiles_fall_in_the_bucket_of_the_true_quantile(q):
+    """The page's TTFT/TPOT quantiles come from the gateway's histograms as Prometheus' histogram_quantile makes
+    them: the estimate lies in the bucket that holds the exact quantile of the observations."""
+    rng = np.random.default_rng(0)
+    ttft = Metrics().ttft
+    values = rng.lognormal(np.log(0.08), 0.8, 2000)
+    for v in values:
+        ttft.observe(float(v))
+    bounds, cumulative = _buckets(ttft)
+    exact = float(np.quantile(values, q))
+    i = next(i for i, b in enumerate(bounds) if exact <= b)
+    assert (bounds[i - 1] if i else 0.0) <= histogram_quantile(q, bounds, cumulative) <= bounds[i]
+    assert histogram_quantile(q, bounds, [0.0] * len(bounds)) is None

@@ -94,9 +94,11 @@
               `${state.workers_alive.length} with a heartbeat · ${snap.unplaced} requests wait for a worker` +
               (paused ? " · paused" : ""), age > 5);
     const seen = new Set();
-    for (const w of snap.workers) {
+    for (const w of [...snap.workers].sort((a, b) => a.worker_id.localeCompare(b.worker_id))) {
       seen.add(w.worker_id);
-      renderWorker(view(w.worker_id), w, snap, state);
+      const v = view(w.worker_id);
+      $("workers").appendChild(v.section);  // (moves it) workers in the order of their ids
+      renderWorker(v, w, snap, state);
     }
     for (const [id, v] of views) {
       if (!seen.has(id)) { v.section.remove(); views.delete(id); }
@@ -218,6 +220,8 @@
     const cols = Math.floor(width / cell);
     const rows = Math.ceil(n / cols);
     v.layout = { cell, cols };
+    v.map.dataset.cell = String(cell);  // where block i is drawn: (i % cols, i / cols) cells from the top left
+    v.map.dataset.cols = String(cols);
     if (v.map.width !== width || v.map.height !== rows * cell) {
       v.map.width = width;
       v.map.height = rows * cell;
