@@ -170,7 +170,7 @@ def test_nothing_is_published_until_a_dashboard_polls_then_the_counts_equal_the_
                 c = counts(w, state["states"], state["moving"])
                 assert c["null"] == 1 and len(base64.b64decode(w["states"])) - 1 == s.num_blocks
                 assert c["free"] + c["cached"] == s.free_blocks
-                assert c["used"] + c["shared"] == s.num_blocks - s.free_blocks
+                assert c["used"] + c["shared"] == s.num_blocks - s.free_blocks and c["shared"] == s.shared_blocks
                 assert (w["prefix_queries"], w["prefix_hits"]) == (s.prefix_queries, s.prefix_hits)
             matched += 1
             time.sleep(0.3)
@@ -290,6 +290,7 @@ def test_the_page_in_chromium_shows_the_schedulers_blocks_a_shared_prefix_and_ke
                 c = {k: v for k, v in w["counts"].items()}
                 assert int(c["free"]) + int(c["cached"]) == s.free_blocks
                 assert int(c["in-use"]) == int(c["used"]) + int(c["shared"]) == s.num_blocks - s.free_blocks
+                assert int(c["shared"]) == s.shared_blocks
                 assert int(c["blocks"]) == s.num_blocks
                 assert c["usage"] == f"{100 * (s.num_blocks - s.free_blocks) / s.num_blocks:.1f}%"
                 matched += 1

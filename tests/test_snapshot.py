@@ -108,6 +108,7 @@ def check_against_the_pool(run: Run, snapshot: CacheSnapshot, moving: set[int] =
             assert w.ref_counts[block.block_id] == min(block.ref_cnt, 255)
         names = [BLOCK_STATES[s & ~BLOCK_MOVING] for s in w.states]
         assert names.count("free") + names.count("cached") == stats[worker_id].free_blocks == pool.num_free
+        assert names.count("shared") == stats[worker_id].shared_blocks
         assert len(w.states) - 1 == stats[worker_id].num_blocks
         expected_holders = {rs.rid: {b for seq in rs.seqs for b in ws.kv.block_ids(seq.seq_id)} for rs in ws.running}
         assert w.holders_complete and holders(w) == expected_holders
