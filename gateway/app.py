@@ -19,6 +19,7 @@ from multidict import CIMultiDict
 from gateway import params
 from gateway.admission import Admission
 from gateway.bus import Bus
+from gateway.dashboard import PAGE, STATIC_PREFIX, add_dashboard
 from gateway.errors import ApiError, bad_request
 from gateway.formats import ChatFormat, CompletionFormat
 from gateway.metrics import CONTENT_TYPE
@@ -30,7 +31,7 @@ from shared.settings import Settings
 log = logging.getLogger(__name__)
 GATEWAY = web.AppKey("gateway", Gateway)
 USABLE_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces: safe in headers and logs
-OPEN_PATHS = ("/health", "/metrics")  # answer without the API key
+OPEN_PATHS = ("/health", "/metrics", PAGE)  # answer without the API key
 # The gateway decodes a compressed body itself (aiohttp's own decoding answers a bad one in its own format, or
 # not at all): gzip or zlib-wrapped deflate, told apart by their headers.
 CONTENT_ENCODINGS = {"gzip": zlib.MAX_WBITS | 32, "deflate": zlib.MAX_WBITS | 32, "identity": None, "": None}
@@ -121,9 +122,10 @@ async def errors_middleware(request: web.Request, handler: Callable) -> web.Stre
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Callable) -> web.StreamResponse:
-    """With an API key set, every route but health and metrics needs `Authorization: Bearer <key>`."""
+    """With an API key set, every route but health, metrics and the dashboard's page and files (which hold no data)
+    needs `Authorization: Bearer <key>`."""
     key = request.app[GATEWAY].settings.api_key
-    if key and request.path not in OPEN_PATHS:
+    if key and request.path not in OPEN_PATHS and not request.path.startswith(STATIC_PREFIX):
         given = request.headers.get("Authorization", "")
         scheme, _, token = given.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
@@ -256,6 +258,7 @@ def build_app(gw: Gateway) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.on_startup.append(_on_startup)
+    add_dashboard(app, gw)
     app.on_cleanup.append(_on_cleanup)
     return app
 

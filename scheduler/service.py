@@ -22,6 +22,7 @@ import redis
 from scheduler.cluster import Cluster
 from scheduler.lease import Lease
 from scheduler.request import FinishedRequest
+from scheduler.snapshot import CacheMonitor
 from scheduler.worker_scheduler import WorkerScheduler
 from shared.bus import (
     BLOCK_MS, RECONNECT_ERRORS, Backoff, connect_async, decode_entry, read_registry, registry_query, retry_async,
@@ -33,6 +34,7 @@ from shared.settings import Settings
 
 log = logging.getLogger("scheduler")
 TICK_S = 0.25
+SNAPSHOT_TTL_MS = 5_000  # a dashboard shows no snapshot of a scheduler that stopped publishing
 Command = tuple[str, tuple, dict]
 
 
@@ -45,6 +47,8 @@ class SchedulerService:
         self.client = connect_async(settings.redis_url)
         self.worker_scheduler = worker_scheduler
         self.cluster = Cluster(settings, worker_scheduler=worker_scheduler)
+        self.monitor = CacheMonitor()
+        self.watched = False  # whether a dashboard's watch key was alive at the last tick
         self.entry_ids: dict[str, bytes] = {}  # rid → its entry in the requests stream, acked at the end
         self.lease = Lease(self.client, self.keys.scheduler_lease, self.name, int(settings.heartbeat_ttl * 1000))
         self.reread_pending = False
@@ -188,6 +192,7 @@ class SchedulerService:
                 for rid, worker_id in cluster.pop_placements()]
             for worker_id in cluster.worker_ids:
                 while (plan := cluster.schedule(worker_id)) is not None:  # a step, then its lookahead
+                    self.monitor.planned(cluster, plan)
                     commands.append(("xadd", (self.keys.plans(worker_id), {FIELD: encode(plan)}),
                                      {"maxlen": PLANS_MAXLEN, "approximate": True}))
             for done in cluster.pop_finished():
@@ -254,8 +259,19 @@ class SchedulerService:
         await self._abort_orphans()
         now = time.time()
         self.cluster.expire(now)
-        await self.client.set(self.keys.stats, encode(self.cluster.stats(now)))
+        await self._publish_state(now)
         await self.pump()
+
+    async def _publish_state(self, now: float) -> None:
+        """The stats /metrics exports and, while a dashboard watches (as of the last tick), the cache snapshot it
+        shows: both taken before anything else runs, so they agree."""
+        snapshot = self.monitor.tick(self.cluster, now, self.watched)
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.set(self.keys.stats, encode(self.cluster.stats(now)))
+            if snapshot is not None:
+                pipe.set(self.keys.cache_snapshot, encode(snapshot), px=SNAPSHOT_TTL_MS)
+            pipe.exists(self.keys.dashboard_watch)
+            self.watched = bool((await pipe.execute())[-1])
 
     async def _housekeeping(self) -> None:
         while not self.stop_event.is_set():

@@ -52,6 +52,17 @@ class Keys:
         """String key holding the encoded SchedulerStats the gateway's /metrics reads."""
         return f"{self.prefix}:stats"
 
+    @property
+    def cache_snapshot(self) -> str:
+        """String key holding the encoded CacheSnapshot that /dashboard shows (with a short TTL)."""
+        return f"{self.prefix}:cache_snapshot"
+
+    @property
+    def dashboard_watch(self) -> str:
+        """Key a gateway keeps alive (with a TTL) while a dashboard polls it: the scheduler publishes cache
+        snapshots only then."""
+        return f"{self.prefix}:dashboard:watch"
+
     def plans(self, worker_id: str) -> str:
         return f"{self.prefix}:plans:{worker_id}"
 

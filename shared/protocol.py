@@ -211,8 +211,66 @@ class SchedulerStats:
     workers: list[WorkerStats] = field(default_factory=list)
 
 
+# A KV block's state in a CacheSnapshot, one byte per block; BLOCK_MOVING is or-ed onto the state of a block that a
+# plan in flight copies (copy-on-write) or swaps.
+BLOCK_STATES = ("null", "free", "cached", "used", "shared")  # cached: free, but its hash can still be hit
+BLOCK_NULL, BLOCK_FREE, BLOCK_CACHED, BLOCK_USED, BLOCK_SHARED = range(len(BLOCK_STATES))
+BLOCK_MOVING = 0x80
+
+
+@dataclass(slots=True)
+class WorkerHistory:
+    """One worker's last minutes, a sample per `CacheSnapshot.interval`, oldest first: its columns end at the
+    snapshot's last `history_time`. Step columns sum over the steps planned in the interval."""
+    steps: list[int] = field(default_factory=list)
+    seqs: list[int] = field(default_factory=list)  # sequences in those steps (batch sizes summed)
+    tokens: list[int] = field(default_factory=list)  # tokens computed (prefill chunks and decode)
+    sampled: list[int] = field(default_factory=list)  # tokens sampled: chunks that reach their sequence's end
+    prefix_queries: list[int] = field(default_factory=list)  # prompt tokens looked up in the interval
+    prefix_hits: list[int] = field(default_factory=list)
+    running: list[int] = field(default_factory=list)  # requests, at the end of the interval
+    waiting: list[int] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class WorkerSnapshot:
+    """One worker's KV cache: a byte per block (`states`, `ref_counts` capped at 255), its queues, and which
+    requests hold its blocks: `holder_rids[i]` holds `holder_counts[i]` blocks, whose ids follow in
+    `holder_blocks` (little-endian uint32); `holders_complete` is False when the list was cut to its bound."""
+    worker_id: str
+    block_size: int
+    states: bytes
+    ref_counts: bytes
+    running: int  # requests
+    waiting: int
+    preempted: int  # by recompute or swapped
+    swapped: int
+    running_seqs: int
+    prefix_queries: int  # since the worker joined
+    prefix_hits: int
+    swap_blocks: int
+    swap_free: int
+    holder_rids: list[str] = field(default_factory=list)
+    holder_counts: list[int] = field(default_factory=list)
+    holder_blocks: bytes = b""
+    holders_complete: bool = True
+    history: WorkerHistory = field(default_factory=WorkerHistory)
+
+
+@dataclass(slots=True)
+class CacheSnapshot:
+    """scheduler → gateway (`cache_snapshot` key, while a dashboard watches): every worker's blocks, for /dashboard."""
+    time: float
+    interval: float  # seconds between history samples
+    workers: list[WorkerSnapshot] = field(default_factory=list)
+    history_time: list[float] = field(default_factory=list)  # when each history sample was taken
+    history_workers: list[int] = field(default_factory=list)  # workers in the cluster then
+    unplaced: int = 0  # requests waiting for any worker
+
+
 Message = Union[Request, Abort, WorkerRegistration, WorkerGone, StepPlan, StepResult, TokenOutput, Assignment,
-                SchedulerStats]
+                SchedulerStats, CacheSnapshot]
 MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(Message)}
 
 
@@ -399,4 +457,10 @@ def _bool(value: Any) -> bool:
     return value
 
 
-_SCALARS: dict[type, Callable[[Any], Any]] = {int: _int, float: _float, str: _str, bool: _bool}
+def _bytes(value: Any) -> bytes:
+    if type(value) is not bytes:
+        raise _Invalid(f"expected bytes, got {type(value).__name__}")
+    return value
+
+
+_SCALARS: dict[type, Callable[[Any], Any]] = {int: _int, float: _float, str: _str, bool: _bool, bytes: _bytes}
