@@ -8,11 +8,12 @@ dropped by their client after a few chunks. Every `--kill-every` seconds a worke
 gets SIGKILL; the launcher restarts it. Once the load stops and the stack is idle it prints one table:
 
 - requests sent, completed, failed (by HTTP status or error event), lost (no byte for `--stall-s` seconds, or a
-  stream that ended with neither `[DONE]` nor an error event);
+  stream that ended or was cut after its 200 with neither `[DONE]` nor an error event);
 - tokens duplicated, missing or different, against the in-process engine's (`pagedserve.engine.Engine`, the
   same model and settings, no faults) answer to the same request: token by token (logprobs' token texts) for
-  greedy and seeded requests, the text for stop-string requests, the count for unseeded ones; a stream its
-  client dropped must be a prefix of the answer;
+  greedy and seeded requests, the text (the answer's tokens through the gateway's own detokenizer) for every
+  request with known tokens and the stop-string ones, the count for unseeded ones; a stream its client
+  dropped must be a prefix of the answer;
 - KV blocks still held per worker and requests still queued (the scheduler's `stats` key), requests left
   unacknowledged on the bus;
 - Redis keys by pattern (how many, how many without a TTL, stream entries), and per process (the launcher,
@@ -271,7 +272,7 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, case: Case,
         out.result = f"lost: nothing for {stall_s:.0f} s"
     except aiohttp.ClientError as e:
         # Cut after a 200 with no error event: the answer is lost; before any answer: a failure to connect.
-        out.result = "lost: connection cut after 200" if answered else "failed: connection error"
+        out.result = "lost: connection cut after 200" if answered else "connection error"
         out.detail = f"{type(e).__name__}: {e}"[:300]
     return out
 
@@ -599,7 +600,7 @@ def snapshot(up: UpProcess, stats: SchedulerStats | None) -> Snapshot:
             if inode in port_of:
                 owners.setdefault(port_of[inode], name)
         processes.append(Process(name, pid, rss_mib(pid), len(inodes), 0))
-    per_name = Counter(owners.get(port, "other (this benchmark)") for port in client_ports)
+    per_name = Counter(owners.get(port, "not of the stack (1 is this snapshot's own)") for port in client_ports)
     for p in processes:
         p.redis_connections = per_name.pop(p.name, 0)
     processes += [Process(name, 0, float("nan"), 0, count) for name, count in per_name.items()]
