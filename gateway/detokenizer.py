@@ -3,8 +3,11 @@
 A byte-level tokenizer can split one UTF-8 character over several tokens; decoding such a prefix ends
 in U+FFFD. The detokenizer decodes a short window [prefix_offset:] against [prefix_offset:read_offset]
 and emits the difference only once it no longer ends in U+FFFD (vLLM's method), so the deltas join to
-exactly `decode(output ids)`. A few prompt tokens seed the window so tokenizers that drop a leading
-space at the start of a decode (SentencePiece) still render the first output token's space.
+`decode(output ids)`, with one exception, as in vLLM: when the prompt ends partway through a character
+and the first output token finishes it, that character belongs to neither, and the U+FFFD that
+decoding the output alone begins with is not sent. A few prompt tokens seed the window so tokenizers
+that drop a leading space at the start of a decode (SentencePiece) still render the first output
+token's space.
 """
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ from gpu_worker.sampler import SampledToken, Sampler
 from gpu_worker.sequence import SequenceState
 from kernels import attention_backend, step_attention
 from shared.model_dir import max_model_len, read_config
+from shared.protocol import PromptLogprob
 from shared.sampling import SamplingParams
 from shared.settings import Settings
 
@@ -98,7 +99,7 @@ class ModelRunner:
             next_block += b
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        self._forward(chunks, probe).softmax(dim=-1)
+        self._forward(chunks, probe)[0].softmax(dim=-1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         del probe
@@ -106,22 +107,61 @@ class ModelRunner:
         return peak
 
     @torch.inference_mode()
-    def _forward(self, chunks: list[tuple[SequenceState, int, int]], cache: CacheEngine) -> torch.Tensor:
+    def _forward(self, chunks: list[tuple[SequenceState, int, int]], cache: CacheEngine,
+                 extra_rows: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits of the rows sampled from, and of `extra_rows` (indices in the step's tokens)."""
         inputs = prepare_inputs(chunks, self.block_size, self.device)
         ctx = ForwardContext(cache.kv_caches, step_attention(self.backend, inputs.slot_mapping, inputs.block_tables,
                                                              inputs.query_start_loc, inputs.seq_lens))
         hidden = self.model(inputs.input_ids, inputs.positions, ctx)
-        return self.model.compute_logits(hidden[inputs.logits_indices]).float()
+        rows = inputs.logits_indices
+        if extra_rows:
+            rows = torch.cat([rows, torch.tensor(extra_rows, dtype=rows.dtype, device=rows.device)])
+        logits = self.model.compute_logits(hidden[rows]).float()
+        return logits[:len(inputs.logits_indices)], logits[len(inputs.logits_indices):]
 
     @torch.inference_mode()
     def execute(self, chunks: list[tuple[SequenceState, int, int]],
                 eos_token_ids: list[int]) -> list[tuple[SequenceState, SampledToken]]:
         """One forward pass over `chunks` (sequence, num_computed, num_new); sample each chunk that ends its
-        sequence. Returns (sequence, token) in chunk order."""
+        sequence, and append the prompt logprobs of the prompt positions a chunk covers to its sequence's (those
+        that ask for them). Returns (sequence, token) in chunk order."""
         if not chunks:
             return []
-        logits = self._forward(chunks, self.cache)
+        wanted, rows = _prompt_positions(chunks)
+        logits, prompt_logits = self._forward(chunks, self.cache, rows)
+        if wanted:
+            _append_prompt_logprobs(wanted, prompt_logits)
         sampled = [seq for seq, computed, new in chunks if computed + new == len(seq.token_ids)]
         if not sampled:
             return []
         return list(zip(sampled, self.sampler(logits, sampled, eos_token_ids)))
+
+
+def _prompt_positions(chunks: list[tuple[SequenceState, int, int]]
+                      ) -> tuple[list[tuple[SequenceState, int]], list[int]]:
+    """(sequence, position) of each prompt position whose next token's logprob is asked for, and its row among the
+    step's tokens: the logits at position p give the logprob of prompt token p + 1."""
+    wanted, rows, offset = [], [], 0
+    for seq, start, count in chunks:
+        if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) == start:
+            for p in range(start, min(start + count, seq.num_prompt_tokens - 1)):
+                wanted.append((seq, p))
+                rows.append(offset + p - start)
+        offset += count
+    return wanted, rows
+
+
+def _append_prompt_logprobs(wanted: list[tuple[SequenceState, int]], logits: torch.Tensor) -> None:
+    """Each position's next prompt token: its logprob under the model's raw distribution, its rank, and the top
+    k (the sequence's `prompt_logprobs`)."""
+    logprobs = logits.log_softmax(dim=-1)
+    targets = torch.tensor([seq.token_ids[p + 1] for seq, p in wanted], device=logits.device)
+    chosen = logprobs.gather(1, targets[:, None])
+    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+    k = min(max(seq.params.prompt_logprobs for seq, _ in wanted), logprobs.shape[1])
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    for row, ((seq, _), lp, rank) in enumerate(zip(wanted, chosen[:, 0].tolist(), ranks)):
+        n = seq.params.prompt_logprobs
+        seq.prompt_logprobs.append(PromptLogprob(lp, rank, list(zip(top_ids[row, :n].tolist(),
+                                                                    top_values[row, :n].tolist()))))

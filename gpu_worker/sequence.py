@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.protocol import NewSequence
+from shared.protocol import NewSequence, PromptLogprob
 from shared.sampling import SamplingParams
 
 
@@ -16,12 +16,20 @@ class SequenceState:
     token_ids: list[int]  # prompt + output
     num_prompt_tokens: int
     block_table: list[int] = field(default_factory=list)
+    # What its first token tells of the prompt, for a sequence that computes its prompt (not a fork, nor one
+    # resumed after its first token): the prompt tokens its first chunk found computed (prefix-cache hits), and,
+    # when asked for, each prompt token's logprob, gathered chunk by chunk (the runner appends them).
+    reports_prompt: bool = False
+    num_cached_tokens: int | None = None
+    prompt_logprobs: list[PromptLogprob] | None = None
 
     @classmethod
     def from_message(cls, msg: NewSequence, prompt: list[int], params: SamplingParams) -> "SequenceState":
         """`prompt`: the message's, or its parent's for a fork; `params`: as the worker runs it."""
+        reports = msg.fork_of is None and not msg.output_token_ids
         return cls(msg.seq_id, msg.rid, msg.sample_index, params, list(prompt) + list(msg.output_token_ids),
-                   len(prompt))
+                   len(prompt), reports_prompt=reports,
+                   prompt_logprobs=[] if reports and params.prompt_logprobs is not None else None)
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -113,6 +113,8 @@ class Worker:
                 continue
             seq = self.seqs[item.seq_id]
             seq.token_ids += item.append_token_ids
+            if seq.reports_prompt and seq.num_cached_tokens is None:
+                seq.num_cached_tokens = item.num_computed_tokens
             if item.block_table is not None:
                 seq.block_table = list(item.block_table)
             else:
@@ -135,8 +137,11 @@ class Worker:
                                    self.eos_token_ids)
             if reason is not None:
                 self.ended.add(seq.seq_id)
+            first = seq.reports_prompt and output_index == 0
             outputs.append(TokenOutput(seq.rid, seq.sample_index, output_index, sampled.token_id, sampled.logprob,
-                                       sampled.top_logprobs, reason, worker_id=reg.worker_id, epoch=plan.epoch))
+                                       sampled.top_logprobs, reason, worker_id=reg.worker_id, epoch=plan.epoch,
+                                       num_cached_tokens=seq.num_cached_tokens if first else None,
+                                       prompt_logprobs=seq.prompt_logprobs if first else None))
         return StepResult(reg.worker_id, plan.epoch, plan.step_id, outputs, beams=beams)
 
     def _run_params(self, params: SamplingParams) -> SamplingParams:

@@ -11,7 +11,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from shared.protocol import Request, StepPlan, TokenOutput
+from shared.protocol import PromptLogprob, Request, StepPlan, TokenOutput
 from shared.sampling import SamplingParams
 from shared.settings import Settings
 
@@ -30,6 +30,8 @@ class Completion:
     prompt_token_ids: list[int]
     samples: list[Sample]
     error: str | None = None
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache
+    prompt_logprobs: list[PromptLogprob] | None = None  # when asked for: one per prompt token after the first
 
     @property
     def finished(self) -> bool:
@@ -81,7 +83,10 @@ class Engine:
             self.cluster.apply_result(result)
             outputs.extend(result.outputs)
         for out in outputs:
-            sample = self.completions[out.rid].samples[out.sample_index]
+            completion = self.completions[out.rid]
+            if out.num_cached_tokens is not None:  # the prompt's results come with a first token
+                completion.num_cached_tokens, completion.prompt_logprobs = out.num_cached_tokens, out.prompt_logprobs
+            sample = completion.samples[out.sample_index]
             sample.token_ids.append(out.token_id)
             sample.logprobs.append(out.logprob)
             sample.top_logprobs.append(out.top_logprobs)

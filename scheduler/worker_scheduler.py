@@ -273,7 +273,9 @@ class WorkerScheduler:
             tokens = rs.tokens(i)
             end = len(tokens) if fork_at is None else fork_at
             hashes = self.kv.hash_tokens(tokens, prompt_hashes) if rs.outputs[i] else prompt_hashes
-            hits = self.kv.find_prefix(hashes, end + (fork_at is not None))
+            # The prompt logprobs asked for come from computing every prompt position: no prefix hit then.
+            fresh = rs.req.params.prompt_logprobs is not None and not rs.outputs[i]
+            hits = [] if fresh else self.kv.find_prefix(hashes, end + (fork_at is not None))
             seq = Sequence(next(self.ids.seqs), i, num_computed=len(hits) * self.kv.block_size)
             seqs.append(seq)
             growth.opens.append((seq.seq_id, hits, hashes, len(tokens)))

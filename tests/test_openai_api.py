@@ -29,8 +29,6 @@ from up_harness import Up, run_up
 from shared.keys import Keys
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
-# The worker does not compute prompt logprobs nor count cached prompt tokens yet (issue 13, its worker part).
-NEEDS_PROMPT_LOGPROBS = pytest.mark.xfail(strict=True, reason="needs worker prompt logprobs")
 KEY = "test-key"
 BODY_LIMIT = 64 << 10
 MAX_WAITING = 2
@@ -334,10 +332,6 @@ def test_fuzzed_bodies_never_get_a_5xx_and_the_stack_still_answers(stack):
         if isinstance(body, dict):  # keep valid requests short on a CPU
             body.setdefault("max_tokens", 4)
             body.setdefault("max_completion_tokens", 4)
-            # Until the worker computes prompt logprobs, asking for them fails (500): the xfail tests below.
-            body.pop("prompt_logprobs", None)
-            if body.get("echo"):
-                body.pop("logprobs", None)
         status, _, text = stack.raw("POST", path, json.dumps(body).encode())
         assert status < 500, (body, text)
 
@@ -371,7 +365,6 @@ def prompt_logprobs_of(hf, ids: list[int]) -> tuple[list[float], list[bool]]:
     return (logprobs.gather(1, targets[:, None])[:, 0].tolist(), (logits.argmax(-1) == targets).tolist())
 
 
-@NEEDS_PROMPT_LOGPROBS
 def test_prompt_logprobs_equal_transformers_on_both_endpoints(stack, hf):
     tok = hf[0]
     ids = tok(PROMPT).input_ids
@@ -395,7 +388,6 @@ def test_prompt_logprobs_equal_transformers_on_both_endpoints(stack, hf):
         pytest.approx(prompt_logprobs_of(hf, chat_ids)[0], abs=2e-3)
 
 
-@NEEDS_PROMPT_LOGPROBS
 def test_lm_eval_loglikelihood_rolling_and_generate_until_against_the_stack(stack, hf):
     tok = hf[0]
     context = tok("The blocks of a sequence need", add_special_tokens=False).input_ids
@@ -405,10 +397,10 @@ def test_lm_eval_loglikelihood_rolling_and_generate_until_against_the_stack(stac
                                 json.dumps(lm_eval_loglikelihood_body("tiny", prompts)).encode())
     assert status == 200, body
     got = lm_eval_parse_logprobs(json.loads(body), [len(context)] * 2)
-    for (total, greedy), ids in zip(got, prompts):
+    for (total, is_greedy), ids in zip(got, prompts):
         lps, argmax = prompt_logprobs_of(hf, ids)
         assert total == pytest.approx(sum(lps[len(context) - 1:]), abs=1e-2)
-        assert greedy == all(argmax[len(context) - 1:])
+        assert is_greedy == all(argmax[len(context) - 1:])
     rolling = tok("PagedAttention divides the key value cache of each sequence into blocks.",
                   add_special_tokens=False).input_ids
     window = [tok.bos_token_id] + rolling  # lm-eval's first rolling window: the prefix token, then the text
@@ -422,7 +414,6 @@ def test_lm_eval_loglikelihood_rolling_and_generate_until_against_the_stack(stac
     assert lm_eval_parse_generations(json.loads(body)) == [full.split("\n\n")[0]]
 
 
-@pytest.mark.xfail(strict=True, reason="needs the worker's num_cached_tokens")
 def test_a_prefix_cache_hit_shows_as_cached_tokens(stack):
     prompt = "9 " + "The blocks of a sequence need not be contiguous. " * 8
     client = stack.client()
