@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import logging
 import os
 import signal
@@ -76,6 +77,7 @@ class WorkerService:
                 log.warning("heartbeat failed, retrying: %s", e)
 
     def run(self) -> None:
+        gc.freeze()  # the model and the modules live as long as the process: full collections need not scan them
         retry(self.register, "registering (Redis unreachable?)", self.stop_event)
         heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         heartbeat.start()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from scheduler.block_pool import Block, BlockPool
@@ -55,20 +55,22 @@ class SeqBlocks:
 
 @dataclass(slots=True)
 class Growth:
-    """What one request asks of the cache in one step; `allocate_slots` grants all of it or nothing."""
-    opens: list[tuple[int, list[Block], list[bytes], int]] = field(default_factory=list)  # sequences starting
-    # here: (seq id, prefix-hit blocks, block hashes of its tokens, its number of tokens)
-    swap_in: list[int] = field(default_factory=list)  # swapped sequences coming back to the device
-    writes: list[tuple[int, int, int]] = field(default_factory=list)  # (seq id, num_computed, num_new)
+    """What one request asks of the cache in one step; `allocate_slots` grants all of it or nothing. (Empty
+    parts are tuples: this runs for every request every step, and garbage collection pauses follow the number
+    of objects made.)"""
+    opens: Sequence[tuple[int, list[Block], list[bytes], int]] = ()  # sequences starting here: (seq id,
+    # prefix-hit blocks, block hashes of its tokens, its number of tokens)
+    swap_in: Sequence[int] = ()  # swapped sequences coming back to the device
+    writes: Sequence[tuple[int, int, int]] = ()  # (seq id, num_computed, num_new)
 
 
 @dataclass(slots=True)
 class Slots:
     """What `allocate_slots` did: blocks appended per sequence, copy-on-write copies, swap-in moves."""
     new_block_ids: dict[int, list[int]]
-    copies: list[tuple[int, int]]  # (src, dst)
-    rewritten: set[int]  # seq ids whose table a copy changed: the worker needs their whole table
-    swap_in: list[tuple[int, int]]  # (swap block, device block)
+    copies: Sequence[tuple[int, int]] = ()  # (src, dst)
+    rewritten: Collection[int] = ()  # seq ids whose table a copy changed: the worker needs their whole table
+    swap_in: Sequence[tuple[int, int]] = ()  # (swap block, device block)
 
 
 class KVCacheManager:
@@ -141,7 +143,10 @@ class KVCacheManager:
             self.pool.prefix_queries += num_tokens
             self.pool.prefix_hits += len(hits) * self.block_size
             self.seqs[seq_id] = SeqBlocks(list(hits), list(hashes), len(hits))
-        slots = Slots({}, [], set(), self._swap_in(growth.swap_in) if growth.swap_in else [])
+        new_block_ids: dict[int, list[int]] = {}
+        copies: list[tuple[int, int]] = []
+        rewritten: set[int] = set()
+        swapped = self._swap_in(growth.swap_in) if growth.swap_in else ()
         for seq_id, num_computed, num_new in growth.writes:
             table = self.seqs[seq_id].table
             end_block = cdiv(num_computed + num_new, self.block_size)
@@ -149,8 +154,8 @@ class KVCacheManager:
                 block = table[i]
                 if block.ref_cnt > 1:
                     (fresh,) = self.pool.allocate(1)
-                    slots.copies.append((block.block_id, fresh.block_id))
-                    slots.rewritten.add(seq_id)
+                    copies.append((block.block_id, fresh.block_id))
+                    rewritten.add(seq_id)
                     self.num_copies += 1
                     self.pool.free([block])
                     table[i] = fresh
@@ -158,10 +163,10 @@ class KVCacheManager:
             if grow > 0:
                 added = self.pool.allocate(grow)
                 table.extend(added)
-                slots.new_block_ids[seq_id] = [b.block_id for b in added]
+                new_block_ids[seq_id] = [b.block_id for b in added]
             else:
-                slots.new_block_ids[seq_id] = []
-        return slots
+                new_block_ids[seq_id] = []
+        return Slots(new_block_ids, copies, rewritten, swapped)
 
     def _blocks_needed(self, growth: Growth) -> int:
         """Free blocks that granting `growth` takes at most: free cached hits leaving the queue, swapped
@@ -173,7 +178,7 @@ class KVCacheManager:
             need = len({b.block_id for hits in opened.values() for b in hits if b.ref_cnt == 0})
         if growth.swap_in:
             need += self._distinct([self.swapped[s].table for s in growth.swap_in])
-        writers: dict[int, int] = {}
+        writers: dict[int, int] = {}  # shared block id → its writers
         shared: dict[int, Block] = {}
         bs = self.block_size
         for seq_id, num_computed, num_new in growth.writes:

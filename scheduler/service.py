@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -282,6 +283,9 @@ class SchedulerService:
         await retry_async(self._start, "starting (Redis unreachable?)", self.stop_event)
         if self.stop_event.is_set():
             return
+        # What start-up made (modules, the cluster's block pools) lives as long as the process: taken out of the
+        # garbage collector's sight, its full collections stop scanning it (tens of ms each at 1,024 sequences).
+        gc.freeze()
         requests_reader = connect_async(self.settings.redis_url, blocking=True)
         read_control = await self._stream_reader(self.keys.control, (Abort, WorkerGone), self._on_control)
         read_results = await self._stream_reader(self.keys.results, (StepResult,), self._on_result)

@@ -192,7 +192,8 @@ class WorkerScheduler:
                 item = ScheduledSequence(seq.seq_id, start, num_new, [], self.kv.block_ids(seq.seq_id))
             else:
                 item = ScheduledSequence(seq.seq_id, start, num_new, slots.new_block_ids[seq.seq_id])
-            item.append_token_ids, seq.appended = seq.appended, []
+            if seq.appended:
+                item.append_token_ids, seq.appended = seq.appended, []
             seq.resend_table = False
             plan.scheduled.append(item)
             seq.num_computed += num_new
@@ -265,7 +266,7 @@ class WorkerScheduler:
             return False
         fork_at = rs.fork_point()
         prompt_hashes = self._prompt_hashes(rs)
-        growth = Growth()
+        opens = []
         seqs: list[Sequence] = []
         chunks: list[Chunk] = []
         budget, seqs_left = step.budget, step.seqs_left
@@ -278,14 +279,13 @@ class WorkerScheduler:
             hits = [] if fresh else self.kv.find_prefix(hashes, end + (fork_at is not None))
             seq = Sequence(next(self.ids.seqs), i, num_computed=len(hits) * self.kv.block_size)
             seqs.append(seq)
-            growth.opens.append((seq.seq_id, hits, hashes, len(tokens)))
+            opens.append((seq.seq_id, hits, hashes, len(tokens)))
             num_new = min(end - seq.num_computed, budget) if seqs_left else 0
             if num_new > 0:
                 chunks.append((seq, num_new, seq.num_computed + num_new == len(tokens) and rs.beam is None))
                 budget -= num_new
                 seqs_left -= 1
-        growth.writes = _writes(chunks)
-        slots = self.kv.allocate_slots(growth, self._keep_free())
+        slots = self.kv.allocate_slots(Growth(opens, (), _writes(chunks)), self._keep_free())
         if slots is None:
             return False
         rs.seqs, rs.fork_at = seqs, fork_at
