@@ -29,9 +29,9 @@ class BusClient:
     def reconnect(self) -> None:
         self.redis = redis.Redis.from_url(self.url, socket_timeout=10)
 
-    def submit(self, prompt: list[int], params: SamplingParams, model: str = "tiny") -> str:
+    def submit(self, prompt: list[int], params: SamplingParams, model: str = "tiny", gateway_id: str = "") -> str:
         rid = uuid.uuid4().hex
-        req = Request(rid, model, prompt, params, time.time())
+        req = Request(rid, model, prompt, params, time.time(), gateway_id)
         self.redis.xadd(self.keys.requests, {FIELD: encode(req)})
         self.cursors[rid] = "0-0"
         self.folds[rid] = OutputFold(params.n, params.max_tokens)

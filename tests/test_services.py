@@ -15,7 +15,7 @@ import pytest
 from pagedserve.bus_client import BusClient
 from pagedserve.launcher import Stack
 from shared.keys import FIELD, Keys
-from shared.protocol import encode
+from shared.protocol import TokenOutput, decode, encode
 from shared.sampling import SamplingParams
 from shared.settings import Settings
 
@@ -253,3 +253,27 @@ def test_a_scheduler_restarted_after_redis_lost_its_data_is_obeyed(redis_url, st
     rids = [client.submit(p, GREEDY) for p in batch]
     client.wait(rids, stack=stack)
     assert [client.output(r) for r in rids] == reference(batch)
+
+
+def test_the_requests_of_a_gateway_that_is_gone_are_aborted_and_nothing_follows_their_end(redis_url, stack_factory):
+    """A gateway's heartbeat key stands for its clients: once it expires, its requests end (their blocks freed),
+    those of other gateways go on; no token is written after a request's end, nor is its expiry extended."""
+    stack, client = stack_factory(redis_url, workers=("w0",))
+    keys, r = Keys(), client.redis
+    r.set(keys.gateway_alive("gw-gone"), 1, px=60_000)
+    long = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
+    orphans = [client.submit(p, long, gateway_id="gw-gone") for p in prompts(4, seed=9)]
+    kept = client.submit(prompts(1, seed=10)[0], GREEDY, gateway_id="")
+    client.wait_for(lambda: (client.poll(), client.generated_count(orphans) >= 40)[1], "tokens to stream")
+    r.delete(keys.gateway_alive("gw-gone"))
+    client.wait(orphans + [kept], timeout=60, stack=stack)
+    assert all(client.folds[rid].end.finish_reason == "abort" for rid in orphans)
+    assert len(client.output(kept)) == GREEDY.max_tokens
+    assert max(client.generated_count([rid]) for rid in orphans) < 1500
+    stats = client.settled_stats()
+    assert all(w.running == 0 and w.free_blocks == w.num_blocks for w in stats.workers), "their blocks are free"
+    time.sleep(1.0)  # a step in flight at the abort would have written by now
+    for rid in orphans:
+        (_, fields), = r.xrevrange(keys.out(rid), count=1)
+        assert decode(fields[FIELD.encode()], TokenOutput).sample_index == -1, "the end is the stream's last entry"
+        assert 0 < r.pttl(keys.out(rid)) <= stack.settings.out_stream_ttl * 1000
