@@ -31,9 +31,7 @@ import json
 import os
 import random
 import re
-import select
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,71 +43,16 @@ from typing import Any
 import aiohttp
 import redis
 
+from benchmarks.up_process import UpProcess
 from shared.keys import Keys
 from shared.protocol import ProtocolError, SchedulerStats, decode
 from shared.sampling import SamplingParams
 from shared.settings import Settings
 
-START_TIMEOUT_S = 600.0
 SETTLE_TIMEOUT_S = 90.0
 STATS_EVERY_S = 1.0
 # Key families with a variable part (a request, worker or gateway id); every other key is its own pattern.
 VARIABLE_FAMILIES = ("out", "plans", "heartbeat", "gateway")
-
-
-# ---- the stack -----------------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class UpProcess:
-    """`pagedserve up` as a subprocess, its stderr in `log_path`."""
-    proc: subprocess.Popen
-    log_path: Path
-    url: str = ""
-
-    @classmethod
-    def start(cls, args: list[str], log_path: Path) -> "UpProcess":
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", "1")  # one compute thread per process: the workers share the cores
-        env.pop("PAGEDSERVE_REDIS_URL", None)  # so that it starts its own Redis
-        with open(log_path, "wb") as err:
-            proc = subprocess.Popen([sys.executable, "-m", "pagedserve", "up", *args], stdout=subprocess.PIPE,
-                                    stderr=err, text=True)
-        up = cls(proc, log_path)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not select.select([proc.stdout], [], [], 0.5)[0]:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                up.stop()
-                raise RuntimeError(f"`pagedserve up` did not get ready (exit {proc.poll()}):\n{up.log()[-3000:]}")
-        line = proc.stdout.readline()
-        if not line.startswith("ready: "):
-            up.stop()
-            raise RuntimeError(f"`pagedserve up` printed {line!r} instead of `ready:`:\n{up.log()[-3000:]}")
-        up.url = line.removeprefix("ready: ").strip()
-        return up
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def pids(self) -> dict[str, int]:
-        """Each child's latest pid, by name."""
-        return {name: int(pid) for name, pid in re.findall(r"started (\S+) \(pid (\d+)\)", self.log())}
-
-    def redis_url(self) -> str:
-        config = Path(re.search(r"its config \(mode 0600, with the password\) is (\S+?),", self.log()).group(1))
-        text = config.read_text()
-        port = re.search(r"^port (\d+)$", text, re.M).group(1)
-        password = re.search(r"^requirepass (\S+)$", text, re.M).group(1)
-        return f"redis://:{password}@127.0.0.1:{port}/0"
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        return self.proc.wait()
 
 
 # ---- the request pool and its fault-free answers --------------------------------------------------------

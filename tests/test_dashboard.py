@@ -17,7 +17,6 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import openai
 import pytest
@@ -25,7 +24,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 from redis_harness import free_port
 from test_monitoring import queried_metrics
-from up_harness import Up
+from up_harness import UpProcess
 
 from gateway.dashboard import WATCH_TTL_MS
 from shared.keys import Keys
@@ -39,7 +38,7 @@ SHARED_PROMPT = "Requests that share a prompt prefix share its cached blocks, co
 
 @dataclass(slots=True)
 class Stack:
-    up: Up
+    up: UpProcess
     model: str
     redis: redis.Redis
     stats: dict[float, SchedulerStats] = field(default_factory=dict)  # by time, as the scheduler wrote them
@@ -73,7 +72,7 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir, tmp_path_factory):
-    up = Up.start(["--workers", "2", "--model", str(tiny_model_dir), "--port", str(free_port()), "--api-key", KEY,
+    up = UpProcess.start(["--workers", "2", "--model", str(tiny_model_dir), "--port", str(free_port()), "--api-key", KEY,
                    "--dtype", "float32", "--kv-cache-bytes", str(16 << 20)], tmp_path_factory.mktemp("up") / "up.log")
     client = redis.Redis.from_url(up.redis_url(), socket_timeout=10)
     s = Stack(up, tiny_model_dir.name, client)

@@ -17,14 +17,13 @@ import openai
 import pytest
 import redis
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from redis_harness import free_port
 from test_gateway_http import BODIES, PATHS
 from test_gateway_logprobs import (
     lm_eval_generate_body, lm_eval_loglikelihood_body, lm_eval_parse_generations, lm_eval_parse_logprobs,
 )
-from up_harness import Up, run_up
+from up_harness import UpProcess, run_up
 
 from shared.keys import Keys
 
@@ -52,7 +51,7 @@ def test_up_writes_the_tiny_model_on_first_use(tmp_path):
 
 @dataclass(slots=True)
 class Stack:
-    up: Up
+    up: UpProcess
     redis_url: str
 
     @property
@@ -81,7 +80,7 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir, tmp_path_factory):
     port = free_port()
-    up = Up.start(["--workers", "2", "--model", str(tiny_model_dir), "--port", str(port), "--redis-port",
+    up = UpProcess.start(["--workers", "2", "--model", str(tiny_model_dir), "--port", str(port), "--redis-port",
                    str(free_port()), "--dtype", "float32", "--api-key", KEY, "--max-body-bytes", str(BODY_LIMIT),
                    "--max-waiting-requests", str(MAX_WAITING), "--heartbeat-ttl", "2", "--kv-cache-bytes",
                    str(16 << 20), "--swap-space-bytes", str(16 << 20)], tmp_path_factory.mktemp("stack") / "up.log")

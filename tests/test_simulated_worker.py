@@ -166,9 +166,9 @@ def test_up_starts_a_simulated_cluster_that_serves_the_openai_api(tiny_model_dir
     import openai
     from redis_harness import free_port
     from transformers import AutoTokenizer
-    from up_harness import Up
+    from up_harness import UpProcess
 
-    up = Up.start(["--workers", "2", "--simulate", "a100-40gb-opt-13b", "--model", str(tiny_model_dir),
+    up = UpProcess.start(["--workers", "2", "--simulate", "a100-40gb-opt-13b", "--model", str(tiny_model_dir),
                    "--port", str(free_port()), "--max-model-len", "512"], tmp_path / "up.log")
     try:
         client = openai.OpenAI(base_url=up.url + "/v1", api_key="unused")

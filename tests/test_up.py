@@ -28,7 +28,7 @@ import openai
 import pytest
 import redis
 from redis_harness import free_port
-from up_harness import Up, run_up
+from up_harness import UpProcess, run_up
 
 from shared.keys import Keys
 from shared.sampling import SamplingParams
@@ -61,14 +61,14 @@ def live_heartbeats(redis_url: str) -> list[str]:
 
 @dataclass(slots=True)
 class Started:
-    up: Up
+    up: UpProcess
     health_at_ready: tuple[int | None, dict]
     heartbeats_at_ready: list[str]
 
 
 @pytest.fixture(scope="module")
 def started(tiny_model_dir, tmp_path_factory):
-    up = Up.start(["--workers", "2", "--model", str(tiny_model_dir), "--port", str(free_port()), "--api-key", KEY,
+    up = UpProcess.start(["--workers", "2", "--model", str(tiny_model_dir), "--port", str(free_port()), "--api-key", KEY,
                    "--heartbeat-ttl", "2", *(f"--{k.replace('_', '-')}={v}" for k, v in STACK_SETTINGS.items())],
                   tmp_path_factory.mktemp("up") / "up.log")
     # What `ready:` promised, looked at the moment it came.
@@ -78,7 +78,7 @@ def started(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture
-def up(started) -> Up:
+def up(started) -> UpProcess:
     assert started.up.proc.poll() is None, f"`pagedserve up` exited:\n{started.up.log()[-4000:]}"
     return started.up
 
@@ -195,7 +195,7 @@ async def first_served(client: openai.AsyncOpenAI) -> None:
             await asyncio.sleep(0.1)
 
 
-async def run_phase(up: Up, phase: Phase) -> None:
+async def run_phase(up: UpProcess, phase: Phase) -> None:
     """Stream the phase's prompts; once each stream has begun and none has ended, SIGKILL the child; time the
     first new request served after it; wait for every stream to end."""
     client = openai.AsyncOpenAI(base_url=up.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
@@ -216,7 +216,7 @@ async def run_phase(up: Up, phase: Phase) -> None:
         await client.close()
 
 
-def settle(up: Up, killed: str, old_pid: int) -> None:
+def settle(up: UpProcess, killed: str, old_pid: int) -> None:
     """Wait until the killed child runs again and both workers are live, so that phases do not overlap."""
     deadline = time.monotonic() + 120
     while not (up.pids()[killed] != old_pid and health(up.url)[1].get("workers") == list(WORKERS)):
