@@ -6,6 +6,7 @@ import asyncio
 import logging
 import uuid
 from dataclasses import dataclass
+from typing import TypeVar
 
 from shared.bus import (
     BLOCK_MS, RECONNECT_ERRORS, Backoff, connect_async, decode_entry, read_registry, registry_query, retry_async,
@@ -15,6 +16,7 @@ from shared.protocol import Abort, Assignment, ProtocolError, Request, Scheduler
 
 log = logging.getLogger(__name__)
 READ_COUNT = 256
+T = TypeVar("T")
 WAKE_MAXLEN = 100
 WAKE_TTL_MS = 3_600_000  # a gateway that dies leaves its wake stream for an hour at most
 
@@ -148,11 +150,25 @@ class Bus:
 
     async def stats(self) -> SchedulerStats | None:
         """The scheduler's latest snapshot, or None if there is none (or it is unreadable)."""
-        raw = await self.client.get(self.keys.stats)
-        if raw is None:
-            return None
-        try:
-            return decode(raw, SchedulerStats)
-        except ProtocolError as e:
-            log.warning("ignoring a malformed scheduler stats snapshot: %s", e)
-            return None
+        return decode_or_none(await self.client.get(self.keys.stats), SchedulerStats, "scheduler stats snapshot")
+
+    async def dashboard_state(self, watch_ttl_ms: int) -> tuple[bytes | None, list[str]]:
+        """In one round trip: keep the dashboard's watch key alive (the scheduler publishes cache snapshots while
+        it lives); the latest encoded cache snapshot, or None; the ids of workers whose heartbeat key exists."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.set(self.keys.dashboard_watch, b"1", px=watch_ttl_ms)
+            pipe.get(self.keys.cache_snapshot)
+            pipe.eval(*registry_query(self.keys))
+            _, raw, registry = await pipe.execute()
+        return raw, sorted(w for w, _, alive in read_registry(registry) if alive)
+
+
+def decode_or_none(raw: bytes | None, cls: type[T], what: str) -> T | None:
+    """A snapshot the scheduler keeps in Redis, or None if there is none (or it is unreadable: logged)."""
+    if raw is None:
+        return None
+    try:
+        return decode(raw, cls)
+    except ProtocolError as e:
+        log.warning("ignoring a malformed %s: %s", what, e)
+        return None

@@ -13,19 +13,19 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import json
 import logging
 import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
 from aiohttp import web
 from prometheus_client import Histogram
 
 from gateway.metrics import Metrics
 from gateway.serving import BUS_ERRORS, Gateway, bus_unavailable
-from shared.protocol import BLOCK_MOVING, BLOCK_STATES, CacheSnapshot, ProtocolError, decode
+from gateway.bus import decode_or_none
+from shared.protocol import BLOCK_MOVING, BLOCK_STATES, CacheSnapshot
 
 log = logging.getLogger(__name__)
 PAGE = "/dashboard"
@@ -76,45 +76,38 @@ class _Sample:
 
 
 class GatewayHistory:
-    """This gateway's last minutes: a sample of its histograms every SAMPLE_S, turned into series on demand."""
+    """This gateway's last minutes: a sample of its histograms every SAMPLE_S, each turned into a point of the
+    series as it is taken."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
-        self.samples: deque[_Sample] = deque(maxlen=HISTORY_LEN + QUANTILE_WINDOW)
+        self.recent: deque[_Sample] = deque(maxlen=QUANTILE_WINDOW)  # the samples a new point is measured against
         self.bounds = {"ttft": _buckets(metrics.ttft)[0], "tpot": _buckets(metrics.tpot)[0]}
+        names = ["time", "requests_per_s"] + [f"{n}_p{round(q * 100)}" for n in self.bounds for q in QUANTILES]
+        self.points: dict[str, deque] = {name: deque(maxlen=HISTORY_LEN) for name in names}
 
     def sample(self, now: float) -> None:
+        """Per sample after the first, a point: its time, requests/s since the one before, and TTFT and TPOT
+        quantiles over the requests of the last QUANTILE_WINDOW samples (None where there were none)."""
         m = self.metrics
-        self.samples.append(_Sample(now, _buckets(m.e2e)[1][-1], _buckets(m.ttft)[1], _buckets(m.tpot)[1]))
+        new = _Sample(now, _buckets(m.e2e)[1][-1], _buckets(m.ttft)[1], _buckets(m.tpot)[1])
+        if self.recent:
+            before, window = self.recent[-1], self.recent[0]
+            self.points["time"].append(new.time)
+            self.points["requests_per_s"].append((new.requests - before.requests) / (new.time - before.time))
+            for name, bounds in self.bounds.items():
+                counts = [a - b for a, b in zip(getattr(new, name), getattr(window, name))]
+                for q in QUANTILES:
+                    self.points[f"{name}_p{round(q * 100)}"].append(histogram_quantile(q, bounds, counts))
+        self.recent.append(new)
 
     def series(self) -> dict[str, list]:
-        """Per sample after the first: its time, requests/s since the one before, and TTFT and TPOT quantiles over
-        the requests of the last QUANTILE_WINDOW samples (None where there were none)."""
-        samples = list(self.samples)
-        out: dict[str, list] = {"time": [], "requests_per_s": []}
-        for name in self.bounds:
-            for q in QUANTILES:
-                out[f"{name}_p{round(q * 100)}"] = []
-        for i in range(1, len(samples)):
-            now, before, window = samples[i], samples[i - 1], samples[max(0, i - QUANTILE_WINDOW)]
-            out["time"].append(now.time)
-            out["requests_per_s"].append((now.requests - before.requests) / (now.time - before.time))
-            for name, bounds in self.bounds.items():
-                recent = [a - b for a, b in zip(getattr(now, name), getattr(window, name))]
-                for q in QUANTILES:
-                    out[f"{name}_p{round(q * 100)}"].append(histogram_quantile(q, bounds, recent))
-        return {k: v[-HISTORY_LEN:] for k, v in out.items()}
+        return {name: list(values) for name, values in self.points.items()}
 
 
-def _plain(value: Any) -> Any:
-    """A snapshot as JSON: dataclasses become objects, bytes base64."""
-    if dataclasses.is_dataclass(value):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, bytes):
-        return base64.b64encode(value).decode("ascii")
-    if isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
-        return [_plain(v) for v in value]
-    return value
+def _dumps(body: dict) -> str:
+    """JSON with bytes (a snapshot's block states) as base64."""
+    return json.dumps(body, default=lambda raw: base64.b64encode(raw).decode("ascii"))
 
 
 class Dashboard:
@@ -122,6 +115,8 @@ class Dashboard:
         self.gw = gw
         self.history = GatewayHistory(gw.metrics)
         self.sampler: asyncio.Task | None = None
+        self.snapshot_raw: bytes | None = None
+        self.snapshot: dict | None = None  # snapshot_raw decoded, as JSON objects
 
     async def page(self, request: web.Request) -> web.FileResponse:
         return web.FileResponse(STATIC / "dashboard.html", headers={**HEADERS, "Content-Type": "text/html"})
@@ -135,24 +130,16 @@ class Dashboard:
     async def state(self, request: web.Request) -> web.Response:
         """The latest cache snapshot (None until the scheduler has seen the watch key), the workers with a live
         heartbeat, and this gateway's series."""
-        bus = self.gw.bus
         try:
-            async with bus.client.pipeline(transaction=False) as pipe:
-                pipe.set(bus.keys.dashboard_watch, b"1", px=WATCH_TTL_MS)
-                pipe.get(bus.keys.cache_snapshot)
-                _, raw = await pipe.execute()
-            alive, _ = await bus.live_workers()
+            raw, alive = await self.gw.bus.dashboard_state(WATCH_TTL_MS)
         except BUS_ERRORS as e:
             raise bus_unavailable(e) from None
-        snapshot = None
-        if raw is not None:
-            try:
-                snapshot = decode(raw, CacheSnapshot)
-            except ProtocolError as e:
-                log.warning("ignoring a malformed cache snapshot: %s", e)
+        if raw != self.snapshot_raw:  # pages poll faster than the scheduler publishes: decode each snapshot once
+            snapshot = decode_or_none(raw, CacheSnapshot, "cache snapshot")
+            self.snapshot_raw, self.snapshot = raw, dataclasses.asdict(snapshot) if snapshot else None
         body = {"time": time.time(), "states": list(BLOCK_STATES), "moving": BLOCK_MOVING, "workers_alive": alive,
-                "snapshot": _plain(snapshot), "gateway": self.history.series()}
-        response = web.json_response(body, headers={"Cache-Control": "no-store"})
+                "snapshot": self.snapshot, "gateway": self.history.series()}
+        response = web.json_response(body, headers={"Cache-Control": "no-store"}, dumps=_dumps)
         response.enable_compression()
         return response
 

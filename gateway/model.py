@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.errors import bad_request
-from shared.model_dir import max_model_len, read_config, resolve_model_dir, served_model_name
+from shared.model_dir import max_model_len, read_config, resolve_model_dir, served_model_name, vocab_size
 from shared.settings import Settings
 
 
@@ -164,8 +164,7 @@ class ServedModel:
         path = resolve_model_dir(settings.model)
         config = read_config(path)
         tokenizer = Tokenizer.load(path)
-        vocab = config.get("text_config", config).get("vocab_size")
         return cls(name=served_model_name(path, settings.served_model_name), path=path,
                    max_model_len=max_model_len(config, settings.max_model_len),
-                   vocab_size=int(vocab) if isinstance(vocab, int) else tokenizer.vocab_size,
+                   vocab_size=vocab_size(config) or tokenizer.vocab_size,
                    tokenizer=tokenizer)

@@ -6,8 +6,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Callable
 
 import torch
+
+from shared.settings import Settings
+
+
+class CacheSizeError(ValueError):
+    """The memory given to the KV cache holds fewer than the two blocks a worker needs (null block + one)."""
+
+
+def kv_cache_blocks(settings: Settings, block_bytes: int, gpu_budget: Callable[[], float] | None) -> int:
+    """The KV blocks a worker gets: the num_blocks setting if given, else what the bytes `gpu_budget()` leaves hold
+    (a GPU), else kv_cache_bytes (the CPU)."""
+    if settings.num_blocks > 0:
+        num_blocks = settings.num_blocks
+    elif gpu_budget is not None:
+        num_blocks = int(gpu_budget() // block_bytes)
+    else:
+        num_blocks = settings.kv_cache_bytes // block_bytes
+    if num_blocks < 2:
+        raise CacheSizeError(
+            f"the KV cache holds {max(num_blocks, 0)} blocks of {block_bytes} bytes; a worker needs at least 2: "
+            "raise kv_cache_bytes (CPU) or gpu_memory_utilization (GPU), or set num_blocks")
+    return num_blocks
 
 
 @dataclass(slots=True)

@@ -83,6 +83,16 @@ class ModelShape:
         """The weights a step reads whole: the layers' and the lm_head (embedding rows are gathered per token)."""
         return (self.num_layers * self.layer_params + self.lm_head_params) * self.dtype_bytes
 
+    def step_work(self, chunks: list[tuple[int, int]], num_sampled: int) -> tuple[float, float, float]:
+        """(dense FLOPs, attention FLOPs, KV bytes read and written) of one step: `chunks` = (context tokens
+        already computed, new tokens) per sequence, `num_sampled` of which produce logits."""
+        tokens = sum(new for _, new in chunks)
+        dense_flops = 2 * (self.num_layers * self.layer_params * tokens + self.lm_head_params * num_sampled)
+        attention_flops = 4 * self.num_layers * self.num_heads * self.head_dim * sum(
+            new * (context + (new + 1) / 2) for context, new in chunks)
+        kv_bytes = self.kv_bytes_per_token * sum(context + 2 * new for context, new in chunks)
+        return dense_flops, attention_flops, kv_bytes
+
     @property
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
@@ -127,11 +137,8 @@ class Profile:
         m, d, e = self.model, self.device, self.efficiency
         flops_rate, bytes_rate = d.peak_flops, d.memory_bandwidth * e.bandwidth
         tokens = sum(new for _, new in chunks)
-        dense_flops = 2 * (m.num_layers * m.layer_params * tokens + m.lm_head_params * num_sampled)
+        dense_flops, attention_flops, kv_bytes = m.step_work(chunks, num_sampled)
         dense = max(dense_flops / (flops_rate * e.matmul), m.step_read_bytes / bytes_rate) if tokens else 0.0
-        attention_flops = 4 * m.num_layers * m.num_heads * m.head_dim * sum(
-            new * (context + (new + 1) / 2) for context, new in chunks)
-        kv_bytes = m.kv_bytes_per_token * sum(context + 2 * new for context, new in chunks)
         attention = max(attention_flops / (flops_rate * e.attention), kv_bytes / bytes_rate) if tokens else 0.0
         block_bytes = m.kv_bytes_per_token * block_size
         moves = (swapped_blocks * block_bytes / (d.host_bandwidth * e.bandwidth)

@@ -8,11 +8,11 @@ from pathlib import Path
 import torch
 
 from gpu_worker import cpu_setup, packed_linear
-from gpu_worker.cache_engine import CacheEngine, CacheShape
+from gpu_worker.cache_engine import CacheEngine, CacheShape, kv_cache_blocks
 from gpu_worker.input_batch import prepare_inputs
 from gpu_worker.loader import load_config, load_model, resolve_dtype
 from gpu_worker.models.layers import ForwardContext, PagedAttention
-from gpu_worker.sampler import SampledToken, Sampler
+from gpu_worker.sampler import SampledToken, Sampler, top_logprobs
 from gpu_worker.sequence import SequenceState
 from kernels import attention_backend, step_attention
 from shared.model_dir import max_model_len, read_config
@@ -21,10 +21,6 @@ from shared.sampling import SamplingParams
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
-
-
-class CacheSizeError(ValueError):
-    """The memory given to the KV cache holds fewer than the two blocks a worker needs (null block + one)."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -62,21 +58,14 @@ class ModelRunner:
                  num_blocks * self.cache_shape.block_bytes / 2**20, num_swap_blocks)
 
     def _num_blocks(self, free_before: int, total: int) -> int:
-        block_bytes = self.cache_shape.block_bytes
-        if self.settings.num_blocks > 0:
-            num_blocks = self.settings.num_blocks
-        elif self.device.type == "cuda":
+        def gpu_budget() -> float:
             peak = self._profile_peak_bytes()
-            budget = total * self.settings.gpu_memory_utilization - (total - free_before) - peak
-            num_blocks = int(budget // block_bytes)
             log.info("GPU memory: %.2f GiB total, %.2f GiB used before loading, peak %.2f GiB while profiling",
                      total / 2**30, (total - free_before) / 2**30, peak / 2**30)
-        else:
-            num_blocks = self.settings.kv_cache_bytes // block_bytes
-        if num_blocks < 2:
-            raise CacheSizeError(
-                f"the KV cache holds {max(num_blocks, 0)} blocks of {block_bytes} bytes; a worker needs at least 2: "
-                "raise kv_cache_bytes (CPU) or gpu_memory_utilization (GPU), or set num_blocks")
+            return total * self.settings.gpu_memory_utilization - (total - free_before) - peak
+
+        num_blocks = kv_cache_blocks(self.settings, self.cache_shape.block_bytes,
+                                     gpu_budget if self.device.type == "cuda" else None)
         if (num_blocks - 1) * self.block_size < self.max_model_len:
             log.warning("the KV cache holds %d tokens, fewer than max_model_len %d: longer requests are refused",
                         (num_blocks - 1) * self.block_size, self.max_model_len)
@@ -159,9 +148,6 @@ def _append_prompt_logprobs(wanted: list[tuple[SequenceState, int]], logits: tor
     targets = torch.tensor([seq.token_ids[p + 1] for seq, p in wanted], device=logits.device)
     chosen = logprobs.gather(1, targets[:, None])
     ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
-    k = min(max(seq.params.prompt_logprobs for seq, _ in wanted), logprobs.shape[1])
-    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
-    for row, ((seq, _), lp, rank) in enumerate(zip(wanted, chosen[:, 0].tolist(), ranks)):
-        n = seq.params.prompt_logprobs
-        seq.prompt_logprobs.append(PromptLogprob(lp, rank, list(zip(top_ids[row, :n].tolist(),
-                                                                    top_values[row, :n].tolist()))))
+    tops = top_logprobs(logprobs, [seq.params.prompt_logprobs for seq, _ in wanted])
+    for (seq, _), lp, rank, top in zip(wanted, chosen[:, 0].tolist(), ranks, tops):
+        seq.prompt_logprobs.append(PromptLogprob(lp, rank, top))

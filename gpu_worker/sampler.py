@@ -2,7 +2,8 @@
 
 Order, per row: stop tokens masked while `min_tokens` is not reached → repetition penalty (tokens of
 prompt and output) → frequency and presence penalties (output tokens) → greedy argmax, or
-temperature → min-p → top-k → top-p → a draw from the softmax. A temperature below SAMPLING_EPS is greedy.
+temperature → min-p → top-k → top-p → a draw from the softmax. A temperature below SAMPLING_EPS
+(shared/sampling.py) is greedy.
 
 Logprobs are those of the model's raw distribution (log-softmax of the logits before any penalty,
 temperature or truncation), vLLM's default: the chosen token's plus the `logprobs` most likely.
@@ -21,11 +22,6 @@ from dataclasses import dataclass, field
 import torch
 
 from gpu_worker.sequence import SequenceState
-
-# Temperatures below this are greedy, as in vLLM: logits / 1e-38 overflow float32 (and 5e-324 is 0 there),
-# and what is left of the distribution at such a temperature is its argmax anyway.
-SAMPLING_EPS = 1e-5
-
 
 @dataclass(slots=True)
 class SampledToken:
@@ -104,6 +100,15 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return sorted_logits.scatter(1, order, sorted_logits)
 
 
+def top_logprobs(logprobs: torch.Tensor, ks: list[int]) -> list[list[tuple[int, float]]]:
+    """Per row of `logprobs`, its `ks[row]` most likely (token id, logprob), most likely first: one topk for all."""
+    k = min(max(ks, default=0), logprobs.shape[1])
+    if not k:
+        return [[] for _ in ks]
+    values, ids = logprobs.topk(k, dim=-1)
+    return [list(zip(ids[row, :n].tolist(), values[row, :n].tolist())) for row, n in enumerate(ks)]
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int | None = None) -> None:
         self.device = device
@@ -127,20 +132,18 @@ class Sampler:
         token_list = tokens.tolist()
         results = [SampledToken(t) for t in token_list]
         if raw_logprobs is not None:
-            k = min(max((s.params.logprobs or 0) for s in seqs), logits.shape[1])
             chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
-            top_values, top_ids = raw_logprobs.topk(k, dim=-1) if k else (None, None)
+            tops = top_logprobs(raw_logprobs, [s.params.logprobs or 0 for s in seqs])
             for row, seq in enumerate(seqs):
                 if not want_logprobs[row]:
                     continue
                 results[row].logprob = chosen[row]
-                n = seq.params.logprobs
-                if n:
-                    results[row].top_logprobs = list(zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist()))
+                if seq.params.logprobs:
+                    results[row].top_logprobs = tops[row]
         return results
 
     def _choose(self, logits: torch.Tensor, seqs: list[SequenceState]) -> torch.Tensor:
-        greedy = [s.params.temperature < SAMPLING_EPS for s in seqs]
+        greedy = [s.params.greedy for s in seqs]
         if all(greedy):
             return logits.argmax(dim=-1)
         tokens = logits.argmax(dim=-1)

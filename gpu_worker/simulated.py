@@ -19,6 +19,7 @@ import itertools
 import math
 import time
 
+from gpu_worker.cache_engine import kv_cache_blocks
 from gpu_worker.cost_model import Profile, get_profile
 from gpu_worker.sampler import SampledToken
 from gpu_worker.sequence import SequenceState
@@ -136,16 +137,12 @@ def simulated_worker(profile: Profile, settings: Settings, worker_id: str, model
     """A worker core on a simulated device, its KV cache sized as the real worker would size it there: the
     num_blocks setting if given, else what the device's memory leaves (GPU) or kv_cache_bytes (CPU)."""
     block_bytes = profile.model.kv_bytes_per_token * settings.block_size
-    if settings.num_blocks > 0:
-        num_blocks = settings.num_blocks
-    elif profile.device.kind == "cuda":
-        num_blocks = profile.kv_cache_bytes(settings.gpu_memory_utilization, settings.max_num_batched_tokens,
-                                            settings.max_num_seqs) // block_bytes
-    else:
-        num_blocks = settings.kv_cache_bytes // block_bytes
-    if num_blocks < 2:
-        raise ValueError(f"profile {profile.name}: the KV cache holds {max(num_blocks, 0)} blocks of {block_bytes} "
-                         "bytes; a worker needs at least 2: raise gpu_memory_utilization or set num_blocks")
+
+    def gpu_budget() -> float:
+        return profile.kv_cache_bytes(settings.gpu_memory_utilization, settings.max_num_batched_tokens,
+                                      settings.max_num_seqs)
+
+    num_blocks = kv_cache_blocks(settings, block_bytes, gpu_budget if profile.device.kind == "cuda" else None)
     runner = SimulatedRunner(profile, vocab_size, settings.block_size, pace)
     return Worker(runner, WorkerRegistration(
         worker_id=worker_id, model_id=model_id, num_blocks=num_blocks,
@@ -161,8 +158,8 @@ def load(settings: Settings, worker_id: str) -> Worker:
     profile = get_profile(settings.simulate)
     path = model_dirs.resolve_model_dir(settings.model)
     config = model_dirs.read_config(path)
-    vocab = config.get("text_config", config).get("vocab_size")
-    if not isinstance(vocab, int) or vocab < 2:
+    vocab = model_dirs.vocab_size(config)
+    if vocab is None or vocab < 2:
         raise model_dirs.ModelDirError(f"{path}/config.json gives no vocab_size for the simulated worker's tokens")
     model_id = model_dirs.served_model_name(path, settings.served_model_name)
     max_len = model_dirs.max_model_len(config, settings.max_model_len)

@@ -173,7 +173,8 @@ class Stack:
     def start_scheduler(self, name: str = "scheduler") -> None:
         self.spawn(self.service(name, "scheduler", self.scheduler_module))
 
-    def start_worker(self, worker_id: str, index: int = 0, workers: int = 1) -> None:
+    def start_worker(self, worker_id: str, index: int, workers: int) -> None:
+        """Start worker `index` of the `workers` this machine runs (its share of the cores depends on both)."""
         env = {ENV_PREFIX + "WORKER_ID": worker_id}
         if self.settings.compute_threads == 0 and not self.settings.cpu_cores:  # each its share of the cores
             place = stack_placement(index, workers)

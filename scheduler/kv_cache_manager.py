@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from scheduler.block_pool import Block, BlockPool
@@ -68,9 +68,9 @@ class Growth:
 class Slots:
     """What `allocate_slots` did: blocks appended per sequence, copy-on-write copies, swap-in moves."""
     new_block_ids: dict[int, list[int]]
-    copies: Sequence[tuple[int, int]] = ()  # (src, dst)
-    rewritten: Collection[int] = ()  # seq ids whose table a copy changed: the worker needs their whole table
-    swap_in: Sequence[tuple[int, int]] = ()  # (swap block, device block)
+    copies: list[tuple[int, int]]  # (src, dst)
+    rewritten: set[int]  # seq ids whose table a copy changed: the worker needs their whole table
+    swap_in: Sequence[tuple[int, int]]  # (swap block, device block)
 
 
 class KVCacheManager:

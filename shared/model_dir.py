@@ -58,6 +58,12 @@ def eos_token_ids(model_dir: Path) -> list[int]:
     return []
 
 
+def vocab_size(config: dict[str, Any]) -> int | None:
+    """The model's vocabulary size as its config states it (a multimodal config's in `text_config`), or None."""
+    vocab = config.get("text_config", config).get("vocab_size")
+    return vocab if isinstance(vocab, int) else None
+
+
 def max_model_len(config: dict[str, Any], requested: int = 0) -> int:
     """The longest sequence served: the model's position limit, or `requested` if that is smaller."""
     text = config.get("text_config", config)

@@ -18,6 +18,11 @@ class ParamError(ValueError):
         self.param = param
 
 
+# Temperatures below this are greedy, as in vLLM: logits / 1e-38 overflow float32 (and 5e-324 is 0 there),
+# and what is left of the distribution at such a temperature is its argmax anyway.
+SAMPLING_EPS = 1e-5
+
+
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1
@@ -43,7 +48,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
     def validate(self) -> "SamplingParams":
         _in_range("n", self.n, 1, MAX_N)

@@ -172,7 +172,7 @@ def test_tiny_temperatures_sample_the_argmax_not_padding(temperature):
 
 def test_the_smallest_sampling_temperature_still_samples():
     """At SAMPLING_EPS and above a row samples: two near-equal logits both come up."""
-    from gpu_worker.sampler import SAMPLING_EPS
+    from shared.sampling import SAMPLING_EPS
 
     logits = torch.tensor([[0.0, 1.0, 1.0 + SAMPLING_EPS / 4, -3.0]]).repeat(64, 1)
     seqs = [seq(SamplingParams(temperature=SAMPLING_EPS), seq_id=i) for i in range(64)]

@@ -50,8 +50,8 @@ def start(redis_url, tiny_model_dir, tmp_path, workers=("w0", "w1"), **settings)
                   log_dir=tmp_path)
     client = BusClient(redis_url)
     stack.start_scheduler()
-    for w in workers:
-        stack.start_worker(w)
+    for i, w in enumerate(workers):
+        stack.start_worker(w, i, len(workers))
     client.wait_for(lambda: client.live_workers() == sorted(workers), "workers to register", stack=stack)
     client.wait_for(lambda: (s := client.stats()) is not None and len(s.workers) == len(workers),
                     "the scheduler to see the workers", stack=stack)
@@ -193,7 +193,7 @@ def test_worker_restarted_under_the_same_id(redis_url, stack_factory, reference)
 
     def restart_w1() -> None:  # quicker than the heartbeat TTL: only the new registration tells
         stack.kill("w1")
-        stack.start_worker("w1")
+        stack.start_worker("w1", 1, 2)
     assert _stream_with_fault(client, stack, batch, restart_w1) == reference(batch)
 
 

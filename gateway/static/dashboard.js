@@ -145,7 +145,7 @@
     const section = document.createElement("section");
     section.className = "worker";
     section.dataset.worker = id;
-    const legend = ["free", "cached", "used", "shared", "moving"].map((s) =>
+    const legend = Object.keys(LABELS).map((s) =>
       `<span><i data-state="${s}"></i>${LABELS[s]} <b data-count="${s}">0</b></span>`).join("");
     section.innerHTML = `<h2></h2>
       <div class="legend">${legend}<span>in use <b data-count="in-use">0</b> of <b data-count="blocks">0</b>
@@ -186,7 +186,7 @@
     v.section.dataset.snapshotTime = String(snap.time);
     v.section.querySelector("h2").innerHTML =
       `${escape(w.worker_id)} <small>${usable} blocks of ${w.block_size} tokens · swap ${w.swap_blocks - w.swap_free} of ${w.swap_blocks} blocks used</small>`;
-    for (const s of ["free", "cached", "used", "shared", "moving"]) {
+    for (const s of Object.keys(LABELS)) {
       v.section.querySelector(`[data-count="${s}"]`).textContent = String(counts[s]);
     }
     v.section.querySelector('[data-count="in-use"]').textContent = String(inUse);
