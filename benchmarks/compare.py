@@ -26,7 +26,6 @@ import asyncio
 import dataclasses
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import plot, serving, versus_vllm
+from pagedserve.launcher import free_port
 from shared.settings import Settings
 
 READY_TIMEOUT_S = 180.0
@@ -155,11 +155,6 @@ def server_commands(model: Path, plan: Plan) -> dict[str, list[str]]:
 def say(message: str) -> None:
     print(f"compare: {message}", file=sys.stderr, flush=True)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_point(label: str, cmd: list[str], bench_args: list[str], log: Path, env: dict[str, str]) -> dict[str, Any]:
@@ -317,14 +312,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown system(s) {', '.join(sorted(unknown))}; choose from {', '.join(SYSTEMS)}, {VLLM}")
     if VLLM in args.systems:  # its own comparison (benchmarks/versus_vllm.py), then the sweep of the others
         args.systems.remove(VLLM)
+        code = 0
         if args.vllm_bin is None:
             say("skipping vllm: no --vllm-bin given (install vLLM's CPU build with benchmarks/install_vllm.sh)")
         else:
             code = versus_vllm.run(args)
-            if not args.systems:
-                return code
         if not args.systems:
-            return 0
+            return code
     plan = dataclasses.replace(QUICK if args.quick else FULL, up_args=args.up_args.split(),
                                baseline_args=args.baseline_args.split())
     if args.rates:

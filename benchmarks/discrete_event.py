@@ -30,7 +30,7 @@ from shared.sampling import SamplingParams
 from shared.settings import Settings
 
 MODEL_ID = "simulated"
-ClusterFactory = Callable[[Settings, type[WorkerScheduler] | None], Cluster]
+ClusterFactory = Callable[..., Cluster]  # (settings, worker_scheduler=...): Cluster or a subclass
 
 
 @dataclass(slots=True)
@@ -67,7 +67,7 @@ class Simulation:
     def __init__(self, settings: Settings, profile: Profile, num_workers: int,
                  worker_scheduler: type[WorkerScheduler] | None = None, cluster: ClusterFactory | None = None) -> None:
         self.settings = settings
-        self.cluster = (cluster or _default_cluster)(settings, worker_scheduler)
+        self.cluster = (cluster or Cluster)(settings, worker_scheduler=worker_scheduler)
         self.workers: dict[str, Worker] = {}
         for i in range(num_workers):
             worker = simulated_worker(profile, settings, f"worker-{i}", MODEL_ID,
@@ -156,10 +156,6 @@ class Simulation:
             "prefix_hits": sum(w.prefix_hits for w in snapshot.workers),
             "num_blocks": self.registration.num_blocks,
         }
-
-
-def _default_cluster(settings: Settings, worker_scheduler: type[WorkerScheduler] | None) -> Cluster:
-    return Cluster(settings, worker_scheduler=worker_scheduler)
 
 
 def point(simulation: Simulation, requests: list[SampleRequest], arrivals: list[float], rate: float) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from gpu_worker.cost_model import PROFILES_PATH, get_profile
+from scheduler.kv_cache_manager import cdiv
 from shared.sampling import SamplingParams
 from shared.settings import Settings
 
@@ -57,14 +58,14 @@ def measure(model_dir: Path, grid: list[list[tuple[int, int]]], reps: int) -> li
     from gpu_worker.model_runner import ModelRunner
     from gpu_worker.sequence import SequenceState
 
-    most = max(sum(-(-(c + n) // BLOCK_SIZE) for c, n in chunks) for chunks in grid)
+    most = max(sum(cdiv(c + n, BLOCK_SIZE) for c, n in chunks) for chunks in grid)
     runner = ModelRunner(Settings(model=str(model_dir), num_blocks=most + 1, swap_space_bytes=0), model_dir, False)
     rng = np.random.default_rng(0)
     steps = []
     for chunks in grid:
         seqs, next_block = [], 1
         for i, (context, new) in enumerate(chunks):
-            blocks = -(-(context + new) // BLOCK_SIZE)
+            blocks = cdiv(context + new, BLOCK_SIZE)
             tokens = rng.integers(5, 512, context + new).tolist()
             seqs.append((SequenceState(i, str(i), 0, GREEDY, tokens, len(tokens),
                                        list(range(next_block, next_block + blocks))), context, new))
@@ -86,11 +87,7 @@ def fit(grid: list[list[tuple[int, int]]], measured: list[float]) -> dict[str, f
     model = get_profile("cpu-tiny").model
     y = np.asarray(measured)
     n_seqs = np.asarray([len(c) for c in grid], dtype=float)
-    dense_flops = np.asarray([2 * (model.num_layers * model.layer_params * sum(n for _, n in c)
-                                   + model.lm_head_params * len(c)) for c in grid], dtype=float)
-    attn_flops = np.asarray([4 * model.num_layers * model.num_heads * model.head_dim
-                             * sum(n * (ctx + (n + 1) / 2) for ctx, n in c) for c in grid], dtype=float)
-    kv_bytes = np.asarray([model.kv_bytes_per_token * sum(ctx + 2 * n for ctx, n in c) for c in grid], dtype=float)
+    dense_flops, attn_flops, kv_bytes = np.asarray([model.step_work(c, len(c)) for c in grid], dtype=float).T
     read = float(model.step_read_bytes)
     flops_grid = np.logspace(9, 12, 61)
     bw_grid = np.logspace(9, 12, 61)

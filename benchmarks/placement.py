@@ -29,6 +29,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks import plot  # noqa: E402
 from benchmarks.discrete_event import Simulation  # noqa: E402
 from benchmarks.workloads import arrival_times, prefix_groups  # noqa: E402
 from gpu_worker.cost_model import get_profile  # noqa: E402
@@ -145,7 +146,6 @@ def summary(rows: list[dict[str, Any]], shape: Shape) -> str:
 
 def plot_rows(rows: list[dict[str, Any]], shape: Shape, out: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
-    fig.suptitle(f"SIMULATED: {shape.workers} x {shape.profile}, virtual clock (benchmarks/placement.py)", fontsize=10)
     for i, policy in enumerate(POLICIES):
         mine = [r for r in rows if r["policy"] == policy]
         rates = [r["rate"] for r in mine]
@@ -158,9 +158,7 @@ def plot_rows(rows: list[dict[str, Any]], shape: Shape, out: Path) -> None:
         ax.grid(alpha=0.3)
     axes[1].set_yscale("log")
     axes[2].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    plot.finish(fig, out, f"SIMULATED: {shape.workers} x {shape.profile}, virtual clock (benchmarks/placement.py)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     results = args.out_dir / "results.json"
     if args.plot_only:
-        rows = json.loads(results.read_text(encoding="utf-8"))["rows"]
+        data = json.loads(results.read_text(encoding="utf-8"))
+        rows, shape = data["rows"], Shape(**data["shape"] | {"rates": tuple(data["shape"]["rates"])})
     else:
         rows = run(shape)
         results.write_text(json.dumps({"shape": asdict(shape), "rows": rows}, indent=1) + "\n", encoding="utf-8")

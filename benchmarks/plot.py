@@ -86,7 +86,7 @@ def plot_normalized_latency(groups: dict[str, list[Report]], out: Path, max_late
             ax.set_ylim(top=max_latency)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
-    _finish(fig, out, title)
+    finish(fig, out, title)
 
 
 def plot_throughput(groups: dict[str, list[Report]], out: Path, title: str = "") -> None:
@@ -102,10 +102,10 @@ def plot_throughput(groups: dict[str, list[Report]], out: Path, title: str = "")
         ax.set_title(dataset)
         ax.grid(axis="y", alpha=0.3)
     axes[0][0].set_ylabel("best output throughput (tokens/s)")
-    _finish(fig, out, title)
+    finish(fig, out, title)
 
 
-def _finish(fig: plt.Figure, out: Path, title: str) -> None:
+def finish(fig: plt.Figure, out: Path, title: str = "") -> None:
     """Lay out, title (e.g. to mark simulated figures) and write the figure."""
     if title:
         fig.suptitle(title, fontsize=10)
@@ -151,9 +151,7 @@ def plot_kv_usage(groups: dict[str, list[Report]], out: Path, pattern: re.Patter
         ax.set_ylabel("KV cache usage" if pattern.pattern == DEFAULT_KV_PATTERN else pattern.pattern)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    finish(fig, out)
     return True
 
 

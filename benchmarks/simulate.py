@@ -15,7 +15,6 @@ and the mean batch at the paper's Figure 13 rates next to the paper's.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import dataclass
@@ -72,13 +71,13 @@ def sweep(profile: Profile, plan: Plan, out_dir: Path) -> list[Path]:
                             vocab_size=profile.model.vocab_size, max_model_len=settings.max_model_len)
         requests = build_requests(spec, plan.seed)
         for label, reservation in SYSTEMS.items():
+            worker_scheduler = scheduler_class(settings, reservation) if reservation else None
             report: dict[str, Any] = {"system": label, "model": profile.name, "simulated": True,
                                       "workload": {"dataset": dataset, "num_prompts": spec.num_prompts,
                                                    "max_model_len": spec.max_model_len, "seed": plan.seed},
                                       "points": []}
             for rate in rates:
                 start = time.perf_counter()
-                worker_scheduler = scheduler_class(settings, reservation) if reservation else None
                 simulation = Simulation(settings, profile, 1, worker_scheduler)
                 p = point(simulation, requests, arrival_times(len(requests), rate, 1.0, plan.seed), rate)
                 report["points"].append(p)
@@ -91,10 +90,10 @@ def sweep(profile: Profile, plan: Plan, out_dir: Path) -> list[Path]:
     return paths
 
 
-def summary(paths: list[Path], profile: Profile) -> str:
-    groups = plot.by_dataset(plot.load_reports(paths))
+def summary(groups: dict[str, list[plot.Report]], profile: Profile) -> str:
+    num_blocks = next(iter(groups.values()))[0].points[0]["num_blocks"]
     lines = [f"# Simulated: {profile.name} ({profile.description})\n",
-             f"KV cache: {json.loads(paths[0].read_text())['points'][0]['num_blocks']} blocks of 16 tokens.\n"]
+             f"KV cache: {num_blocks} blocks of 16 tokens.\n"]
     for dataset, reports in groups.items():
         by = {r.system: r for r in reports}
         floor = plot.min_norm(by[PAGED])
@@ -144,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     title = f"SIMULATED: {profile.name}, virtual clock (benchmarks/simulate.py)"
     plot.plot_normalized_latency(groups, args.out_dir / "normalized_latency.png", None, PAGED, title)
     plot.plot_throughput(groups, args.out_dir / "throughput.png", title)
-    text = summary(paths, profile)
+    text = summary(groups, profile)
     (args.out_dir / "summary.md").write_text(text, encoding="utf-8")
     print(text)
     return 0

@@ -43,6 +43,7 @@ from typing import Any
 import aiohttp
 import redis
 
+from benchmarks import serving
 from benchmarks.up_process import UpProcess
 from shared.keys import Keys
 from shared.protocol import ProtocolError, SchedulerStats, decode
@@ -643,19 +644,16 @@ def _process(p: Process | None) -> str:
 # ---- main ---------------------------------------------------------------------------------------------------
 
 
-async def warm_up(up: UpProcess, model: str) -> None:
-    """One request answered in full: the stack serves (the table's start column is taken after it)."""
+async def warm_up(up: UpProcess) -> str:
+    """The served model's id, once one request was answered in full: the stack serves (the table's start column
+    is taken after it)."""
     async with aiohttp.ClientSession() as session:
+        model, _ = await serving.discover_model(session, up.url, {})
         async with session.post(up.url + "/v1/completions", json={"model": model, "prompt": [5, 6, 7],
                                                                    "max_tokens": 4, "temperature": 0}) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"the warm-up request failed: HTTP {resp.status} {await resp.text()}")
-
-
-async def served_model(url: str) -> str:
-    async with aiohttp.ClientSession() as session:
-        async with session.get(url + "/v1/models") as resp:
-            return (await resp.json())["data"][0]["id"]
+    return model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -691,8 +689,7 @@ def main(argv: list[str] | None = None) -> int:
     up = UpProcess.start(["--workers", str(args.workers), "--model", settings.model, "--port", str(free_port()),
                           "--dtype", settings.dtype, "--num-blocks", str(args.num_blocks)], log_path)
     try:
-        model = asyncio.run(served_model(up.url))
-        asyncio.run(warm_up(up, model))
+        model = asyncio.run(warm_up(up))
         start = snapshot(up, asyncio.run(settle(up, args.workers, time.time())))
         print(f"soak: {args.minutes:g} minutes of load, {args.concurrency} clients, {len(cases)} cases, a SIGKILL "
               f"every {args.kill_every:g} s", file=sys.stderr, flush=True)

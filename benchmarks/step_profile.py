@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import re
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -54,9 +55,6 @@ class Clock:
             finally:
                 self.seconds[name] += self.now() - start
         return timed
-
-    def reset(self) -> None:
-        self.seconds.clear()
 
 
 def instrument(worker: Any, clock: Clock) -> None:
@@ -164,7 +162,7 @@ def profile_stack(model_dir: Path, dtype: str, concurrency: int, args: argparse.
     from benchmarks.compare import Server, free_port
 
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
-    cmd = [os.sys.executable, "-m", "pagedserve", "up", "--model", str(model_dir), "--dtype", dtype,
+    cmd = [sys.executable, "-m", "pagedserve", "up", "--model", str(model_dir), "--dtype", dtype,
            "--workers", "1", "--port", str(free_port()), "--log-level", "warning", *args.up_args.split()]
     log = Path(tempfile.mkdtemp(prefix="pagedserve-profile-")) / "up.log"
     with Server(cmd, log, env) as server:
@@ -185,9 +183,7 @@ def profile_stack(model_dir: Path, dtype: str, concurrency: int, args: argparse.
             cpu[name] += cpu_seconds(p) - before[p]
         cpu["client"] = time.process_time() - client_before
     point = report["points"][0]
-    tokens = point["total_output_tokens"] if "total_output_tokens" in point else round(point["output_throughput"]
-                                                                                       * point["duration_s"])
-    return {"wall": wall, "tokens": tokens, "tok/s": point["output_throughput"], **cpu}
+    return {"wall": wall, "tokens": point["total_output_tokens"], "tok/s": point["output_throughput"], **cpu}
 
 
 STACK_PROCESSES = ("gateway", "scheduler", "worker", "redis", "client", "launcher")
@@ -215,7 +211,7 @@ def stack_part(args: argparse.Namespace, models: dict[str, Path]) -> None:
 
 
 def say(message: str) -> None:
-    print(f"step_profile: {message}", file=os.sys.stderr, flush=True)
+    print(f"step_profile: {message}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,11 +25,12 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
 
 from benchmarks.proc_cpu import tree_cpu_seconds
+from pagedserve.launcher import free_port
 
 READY_TIMEOUT_S = 900.0  # vLLM's start-up (model load, warm-up) takes minutes on 2 busy cores
 INPUT_LEN = OUTPUT_LEN = 128
@@ -65,9 +66,8 @@ class Result:
     failed: int
 
 
-@dataclass(slots=True)
-class Table:
-    rows: dict[tuple[str, str], dict[str, list[Result]]] = field(default_factory=dict)
+# (model, cell name) → system label → its results, one per repeat
+Table = dict[tuple[str, str], dict[str, list[Result]]]
 
 
 def cells(model: str, rated: dict[str, list[tuple[int, float]]], unlimited: list[int], min_prompts: int,
@@ -85,13 +85,6 @@ def parse_rated(text: str) -> dict[str, list[tuple[int, float]]]:
         out[model.strip()] = [(int(c), float(r)) for c, r in (p.split("@") for p in points.split(","))]
     return out
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _answers(url: str) -> bool:
@@ -135,11 +128,10 @@ def stop(system: System) -> None:
         system.proc.wait()
 
 
-def measure(vllm_bin: str, system: System, model_name: str, model_dir: Path, cell: Cell, out_dir: Path,
-            seed: int) -> Result:
+def measure(vllm_bin: str, system: System, model_dir: Path, cell: Cell, out_dir: Path, seed: int) -> Result:
     name = f"{system.label}-c{cell.concurrency}-r{cell.rate:g}-s{seed}.json"
     cmd = [vllm_bin, "bench", "serve", "--backend", "openai", "--endpoint", "/v1/completions", "--base-url", system.url,
-           "--model", model_name, "--tokenizer", str(model_dir), "--dataset-name", "random",
+           "--model", model_dir.name, "--tokenizer", str(model_dir), "--dataset-name", "random",
            "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN), "--ignore-eos",
            "--temperature", "0", "--num-prompts", str(cell.prompts), "--max-concurrency", str(cell.concurrency),
            "--request-rate", "inf" if math.isinf(cell.rate) else f"{cell.rate:g}", "--seed", str(seed),
@@ -170,10 +162,11 @@ def run(args) -> int:
     from benchmarks.worker_throughput import MODELS
 
     out_dir: Path = args.out_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
+    results_dir = out_dir / "vllm"  # vllm bench's files apart from compare's reports, which --plot-only reads
+    results_dir.mkdir(parents=True, exist_ok=True)
     log_dir = Path(tempfile.mkdtemp(prefix="pagedserve-vs-vllm-"))
     rated = parse_rated(args.vllm_rated)
-    table = Table()
+    table: Table = {}
     say(f"load average {os.getloadavg()[0]:.2f}; server logs in {log_dir}; results in {out_dir}")
     with tempfile.TemporaryDirectory(prefix="pagedserve-vs-vllm-models-") as tmp:
         for model in args.vllm_models.split(","):
@@ -195,9 +188,8 @@ def run(args) -> int:
                     for repeat in range(args.vllm_repeats):
                         order = systems[repeat % len(systems):] + systems[:repeat % len(systems)]
                         for system in order:
-                            result = measure(args.vllm_bin, system, model_dir.name, model_dir, cell, out_dir,
-                                             seed=repeat)
-                            table.rows.setdefault((model, cell.name), {}).setdefault(system.label, []).append(result)
+                            result = measure(args.vllm_bin, system, model_dir, cell, results_dir, seed=repeat)
+                            table.setdefault((model, cell.name), {}).setdefault(system.label, []).append(result)
                             say(f"{model} [{cell.name}] {system.label}: {result.tok_s:.0f} tok/s, E2E p50 "
                                 f"{result.e2e_p50_ms:.0f} ms, TTFT p50 {result.ttft_p50_ms:.0f} ms, TPOT p50 "
                                 f"{result.tpot_p50_ms:.1f} ms, {result.failed} failed")
@@ -222,7 +214,7 @@ def render(table: Table, args) -> str:
              "| tok/s ratio fp32 | vLLM E2E p50 ms | ps bf16 E2E p50 ms | ps fp32 E2E p50 ms | E2E ratio bf16 "
              "| E2E ratio fp32 | TPOT p50 ms vLLM / bf16 / fp32 | goal |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
-    for (model, cell), by in table.rows.items():
+    for (model, cell), by in table.items():
         v, b, f = by.get("vllm-bf16", []), by.get("pagedserve-bf16", []), by.get("pagedserve-fp32", [])
         if not (v and b and f):
             continue
