@@ -24,7 +24,10 @@ class PackedLinear(nn.Module):
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    """oneDNN packs bfloat16 weights only on CPUs with native bfloat16 support (AVX-512 BF16, AMX or AVX-NE-CONVERT);
+    on others (AVX2 alone) the reorder raises, and the plain linears stay."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack_linears(model: nn.Module) -> int:
