@@ -131,3 +131,23 @@ def test_dtype_choice(tmp_path):
     assert resolve_dtype("bfloat16", torch.device("cpu"), config) == torch.bfloat16
     setattr(config, "dtype", torch.float16)
     assert resolve_dtype("auto", torch.device("cuda"), config) == torch.float16
+
+
+def test_a_bfloat16_worker_starts_on_any_cpu_and_picks_what_transformers_picks_in_bfloat16(tmp_path):
+    """Packing bfloat16 weights for oneDNN needs native bfloat16 (AVX-512 BF16, AMX): on an AVX2-only CPU the
+    worker keeps the plain linears instead of failing to start. Its first tokens are transformers' own
+    bfloat16 argmax where that one is clear of the runner-up."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = write_tiny("llama", tmp_path / "llama")
+    batch = prompts([5, 11, 23, 30], seed=7)
+    firsts = [tokens[0] for tokens in generate(worker_for(model_dir, dtype="bfloat16"), batch, 1)]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    checked = 0
+    for prompt, first in zip(batch, firsts):
+        with torch.inference_mode():
+            top2 = hf(torch.tensor([prompt])).logits[0, -1].float().topk(2)
+        if top2.values[0] - top2.values[1] > 0.05:
+            assert first == top2.indices[0].item()
+            checked += 1
+    assert checked >= 2
