@@ -212,10 +212,14 @@ def test_cpu_backend_matches_reference_on_mixed_batches(block_size, head_dim, qp
     torch.testing.assert_close(out, reference.paged_attention(*batch.attention_args(SCALE)), **tolerance(dtype))
 
 
-def test_cpu_backend_decode_groups_by_length_and_rows_out_of_order():
-    """Decodes of very different lengths (several length groups), interleaved with a prefill chunk and a
-    sequence with no new token; one step's plan serves every layer, each storing its own keys and values
-    (through a padding slot) into NaN caches before attending."""
+@pytest.mark.parametrize("kernel", ["native", "gathers"])
+def test_cpu_backend_decode_groups_by_length_and_rows_out_of_order(kernel, monkeypatch):
+    """Decodes of very different lengths (several length groups for the torch gathers), interleaved with a
+    prefill chunk and a sequence with no new token; one step's plan serves every layer, each storing its own keys
+    and values (through a padding slot) into NaN caches before attending. `native`: the C kernel reading the
+    caches in place (kernels/cpu_decode.c); `gathers`: the torch path where no C compiler is found."""
+    if kernel == "gathers":
+        monkeypatch.setattr(cpu_attention.native, "load", lambda: None)
     chunks = [(3, 1), (0, 9), (700, 1), (40, 0), (5, 1), (260, 1), (130, 4), (1, 1), (1200, 1)]
     layers = [random_paged_batch(random.Random("cpu-groups"), chunks, 16, 64, 2, 2, torch.float32)]
     layers += [random_paged_batch(random.Random("cpu-groups"), chunks, 16, 64, 2, 2, torch.float32) for _ in range(2)]
@@ -229,7 +233,32 @@ def test_cpu_backend_decode_groups_by_length_and_rows_out_of_order():
         out = attend(batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, SCALE)
         torch.testing.assert_close(out, reference.paged_attention(*batch.attention_args(SCALE)),
                                    **tolerance(torch.float32))
-    assert len(attend.decodes) > 1 and attend.chunks and attend.slots is None
+    assert attend.chunks and attend.slots is None
+    if kernel == "native":
+        assert attend.native is not None and not attend.decodes
+    else:
+        assert attend.native is None and len(attend.decodes) > 1
+
+
+@pytest.mark.parametrize("block_size,head_dim,queries_per_kv,num_kv_heads", [(16, 64, 2, 2), (8, 128, 4, 1),
+                                                                           (32, 80, 1, 3)])
+def test_the_c_decode_kernel_reads_bfloat16_caches_in_place_as_the_reference_reads_them(
+        block_size, head_dim, queries_per_kv, num_kv_heads):
+    """bfloat16 caches and queries (the kernel computes in float32 and rounds its output once); NaN wherever a
+    sequence has no key, a strided query as the model passes it."""
+    chunks = [(0, 1), (17, 1), (300, 1), (block_size - 1, 1), (64, 1)]
+    batch = random_paged_batch(random.Random(f"bf16-{head_dim}"), chunks, block_size, head_dim, queries_per_kv,
+                               num_kv_heads, torch.bfloat16)
+    heads = queries_per_kv * num_kv_heads
+    wide = torch.randn(batch.query.shape[0], heads + 1, head_dim, generator=torch.Generator().manual_seed(1))
+    query = wide.to(torch.bfloat16)[:, :heads]  # rows `heads + 1` heads apart, as q sliced out of qkv
+    attend = step_attention(cpu_attention, batch.slot_mapping, batch.block_tables, batch.query_start_loc,
+                            batch.seq_lens)
+    out = attend(query, batch.key, batch.value, batch.key_cache, batch.value_cache, SCALE)
+    assert attend.native is not None
+    args = batch.attention_args(SCALE)
+    expected = reference.paged_attention(query, *args[1:])
+    torch.testing.assert_close(out.float(), expected.float(), **tolerance(torch.bfloat16))
 
 
 @pytest.mark.parametrize("backend", [reference, cpu_attention])
@@ -245,3 +274,29 @@ def test_step_attention_stores_then_attends(backend):
     assert torch.equal(batch.value_cache.nan_to_num(), expected.value_cache.nan_to_num())
     torch.testing.assert_close(out, reference.paged_attention(*expected.attention_args(SCALE)),
                                **tolerance(torch.float32))
+
+
+def test_the_c_decode_kernel_is_built_once_per_machine_and_missing_compilers_fall_back_to_torch(tmp_path, monkeypatch,
+                                                                                                caplog):
+    """A fresh cache directory gets one shared library; a compiler that does not exist gives None (logged), and
+    the CPU backend's plan then uses the torch gathers."""
+    from kernels import native
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    native.load.cache_clear()
+    try:
+        assert native.load() is not None
+        assert len(list(tmp_path.glob("cpu_decode-*.so"))) == 1
+        native.load.cache_clear()
+        monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+        assert native.load() is None
+        assert "building the CPU decode kernel failed" in caplog.text
+        batch = random_paged_batch(random.Random("no-cc"), [(5, 1), (30, 1)], 16, 64, 2, 1, torch.float32)
+        attend = step_attention(cpu_attention, batch.slot_mapping, batch.block_tables, batch.query_start_loc,
+                                batch.seq_lens)
+        out = attend(batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, SCALE)
+        assert attend.native is None and attend.decodes
+        torch.testing.assert_close(out, reference.paged_attention(*batch.attention_args(SCALE)),
+                                   **tolerance(torch.float32))
+    finally:
+        native.load.cache_clear()

@@ -24,10 +24,13 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v.double()).float()
 
 
-@pytest.mark.parametrize("backend", [cpu_attention, reference])
+@pytest.mark.parametrize("backend,native", [(cpu_attention, True), (cpu_attention, False), (reference, False)])
 @pytest.mark.parametrize("group_elements", [1 << 24, 1 << 12])  # one decode batch, or many small ones
-def test_mixed_batch_matches_dense_attention(backend, group_elements, monkeypatch):
+def test_mixed_batch_matches_dense_attention(backend, native, group_elements, monkeypatch):
+    """The CPU backend with its C decode kernel (`native`) and with its torch gathers (no C compiler)."""
     monkeypatch.setattr(backend, "_DECODE_GROUP_ELEMENTS", group_elements)
+    if backend is cpu_attention and not native:
+        monkeypatch.setattr(cpu_attention.native, "load", lambda: None)
     gen = torch.Generator().manual_seed(0)
     block_size, kv_heads, heads, dim, scale = 8, 2, 6, 16, 0.3
     # (context already cached, new tokens): decodes of many lengths, prefill chunks, a whole prompt, an idle slot

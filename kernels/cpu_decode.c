@@ -1,0 +1,141 @@
+/* Paged attention of single-query (decode) sequences on the CPU, reading keys and values in place.
+
+   For each (sequence, kv head): the group of query heads that share the kv head walks the sequence's blocks
+   once; per block, the scores of all its tokens, one rescale of the running output (online softmax, block by
+   block), then the weighted values. Arithmetic in float32 whatever the cache dtype (float32 or bfloat16);
+   nothing is copied out of the cache. Built and loaded by kernels/native.py; kernels/cpu_attention.py calls it.
+
+   Layouts (strides in elements): query and out [rows, heads, head_dim] with a row and a head stride, the
+   head_dim contiguous; caches [num_blocks, block_size, kv_heads, head_dim] contiguous; block tables int32
+   [num_seqs, table_row]; seq_lens int32 [num_seqs]. Decode i reads query row rows[i] of sequence seqs[i]. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch's conversion */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* 8 partial sums, so that the compiler keeps them in one vector register (head_dim is a multiple of 8 in every
+   supported model; a tail is summed apart). */
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    float s[8] = {0}, tail = 0.0f;
+    int64_t d = 0;
+    for (; d + 8 <= n; d += 8)
+        for (int u = 0; u < 8; u++) s[u] += a[d + u] * b[d + u];
+    for (; d < n; d++) tail += a[d] * b[d];
+    return tail + ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
+}
+
+INLINE void axpy(float *restrict y, float p, const float *restrict x, int64_t n) {
+    for (int64_t d = 0; d < n; d++) y[d] += p * x[d];
+}
+
+/* One block of `count` tokens for the `group` query heads qf [group, dim]: keys and values are rows `stride`
+   floats apart. Running max m, sum l and output acc [group, dim] are rescaled once per block. */
+INLINE void attend_block(const float *restrict qf, const float *restrict k, const float *restrict v, int64_t stride,
+                         int64_t count, int64_t group, int64_t dim, float *restrict sc, float *restrict acc,
+                         float *restrict m, float *restrict l) {
+    for (int64_t j = 0; j < group; j++) {
+        float *restrict s = sc + j * count, top = m[j];
+        for (int64_t t = 0; t < count; t++) {
+            s[t] = dot(qf + j * dim, k + t * stride, dim);
+            top = s[t] > top ? s[t] : top;
+        }
+        const float shrink = expf(m[j] - top); /* 0 at the first block: acc and l are 0 */
+        float sum = 0.0f;
+        for (int64_t t = 0; t < count; t++) {
+            s[t] = expf(s[t] - top);
+            sum += s[t];
+        }
+        m[j] = top;
+        l[j] = l[j] * shrink + sum;
+        float *restrict a = acc + j * dim;
+        for (int64_t d = 0; d < dim; d++) a[d] *= shrink;
+        for (int64_t t = 0; t < count; t++) axpy(a, s[t], v + t * stride, dim);
+    }
+}
+
+/* One decode's attention over its sequence: block by block, every kv head in turn, so that a block's keys and
+   values are read from memory once (a token's heads sit side by side). */
+INLINE void task(int dtype, const void *q, int64_t q_row, int64_t q_head, const void *kc, const void *vc, void *o,
+                 int64_t o_row, int64_t o_head, const int32_t *table, int64_t len, int64_t row, int64_t heads,
+                 int64_t kv_heads, int64_t dim, int64_t block_size, float scale) {
+    const int64_t group = heads / kv_heads, token_stride = kv_heads * dim;
+    /* bfloat16 keys and values are widened a block and a head at a time into kb / vb */
+    float qf[heads * dim], acc[heads * dim], sc[group * block_size], m[heads], l[heads];
+    float kb[dtype ? block_size * dim : 1], vb[dtype ? block_size * dim : 1];
+    for (int64_t j = 0; j < heads; j++) {
+        const int64_t at = row * q_row + j * q_head;
+        for (int64_t d = 0; d < dim; d++)
+            qf[j * dim + d] = (dtype ? from_bf16(((const uint16_t *)q)[at + d]) : ((const float *)q)[at + d]) * scale;
+        m[j] = -INFINITY;
+        l[j] = 0.0f;
+    }
+    memset(acc, 0, sizeof acc);
+    for (int64_t start = 0; start < len; start += block_size) {
+        const int64_t count = len - start < block_size ? len - start : block_size;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const int64_t first = (int64_t)table[start / block_size] * block_size * token_stride + h * dim;
+            float *qh = qf + h * group * dim, *ah = acc + h * group * dim, *mh = m + h * group, *lh = l + h * group;
+            if (dtype) {
+                for (int64_t t = 0; t < count; t++)
+                    for (int64_t d = 0; d < dim; d++) {
+                        kb[t * dim + d] = from_bf16(((const uint16_t *)kc)[first + t * token_stride + d]);
+                        vb[t * dim + d] = from_bf16(((const uint16_t *)vc)[first + t * token_stride + d]);
+                    }
+                attend_block(qh, kb, vb, dim, count, group, dim, sc, ah, mh, lh);
+            } else {
+                attend_block(qh, (const float *)kc + first, (const float *)vc + first, token_stride, count, group, dim,
+                             sc, ah, mh, lh);
+            }
+        }
+    }
+    for (int64_t j = 0; j < heads; j++) {
+        const int64_t at = row * o_row + j * o_head;
+        const float inv = 1.0f / l[j];
+        for (int64_t d = 0; d < dim; d++) {
+            if (dtype)
+                ((uint16_t *)o)[at + d] = to_bf16(acc[j * dim + d] * inv);
+            else
+                ((float *)o)[at + d] = acc[j * dim + d] * inv;
+        }
+    }
+}
+
+/* dtype: 0 float32, 1 bfloat16 (query, caches and out alike). Returns 0, or -1 for an unknown dtype. */
+int paged_decode(int dtype, const void *q, int64_t q_row, int64_t q_head, const void *kc, const void *vc, void *o,
+                 int64_t o_row, int64_t o_head, const int32_t *tables, int64_t table_row, const int32_t *seq_lens,
+                 const int64_t *rows, const int64_t *seqs, int64_t n, int64_t heads, int64_t kv_heads, int64_t dim,
+                 int64_t block_size, float scale, int threads) {
+    if (dtype != 0 && dtype != 1) return -1;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if(threads > 1)
+    for (int64_t i = 0; i < n; i++) {
+        const int32_t *table = tables + seqs[i] * table_row;
+        const int64_t len = seq_lens[seqs[i]];
+        /* the common head sizes as constants, so that the compiler unrolls the loops over them */
+#define TASK(DIM) task(dtype, q, q_row, q_head, kc, vc, o, o_row, o_head, table, len, rows[i], heads, kv_heads, DIM, \
+                       block_size, scale)
+        if (dim == 64)
+            TASK(64);
+        else if (dim == 128)
+            TASK(128);
+        else
+            TASK(dim);
+#undef TASK
+    }
+    return 0;
+}

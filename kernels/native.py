@@ -1,0 +1,74 @@
+"""The CPU decode kernel (kernels/cpu_decode.c), compiled for this machine on first use and loaded with ctypes.
+
+Plain C with no torch headers, so a build takes about a second; the shared library is kept under
+`$PAGEDSERVE_CACHE_DIR` (default `~/.cache/pagedserve`), named by a hash of the source, the flags and the
+CPU's features, and built to a temporary name then renamed, so workers starting together neither rebuild
+it nor load half a file. With no C compiler (or a failed build) `load()` returns None, logs why once, and
+the CPU backend keeps its torch path.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fno-math-errno")
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+def _cpu_features() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("PAGEDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pagedserve")
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The kernel library with `paged_decode` typed, or None when it cannot be built here (logged)."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler (cc, gcc or $CC): the CPU attention gathers keys and values with torch instead")
+        return None
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *FLAGS, _cpu_features()]).encode()).hexdigest()
+    target = _cache_dir() / f"cpu_decode-{key[:16]}.so"
+    if not target.exists():
+        try:
+            _build(compiler, target)
+        except (OSError, subprocess.CalledProcessError) as e:
+            detail = getattr(e, "stderr", "") or e
+            log.warning("building the CPU decode kernel failed (%s): the CPU attention gathers with torch instead",
+                        str(detail).strip()[-500:])
+            return None
+    lib = ctypes.CDLL(str(target))
+    lib.paged_decode.restype = ctypes.c_int
+    lib.paged_decode.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _PTR,
+                                 _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int]
+    return lib
