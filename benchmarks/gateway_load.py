@@ -4,14 +4,19 @@ requests, and the gateway's CPU per streamed token.
 The gateway runs as its own process (`python -m gateway`, from this tree or from `--source DIR`, e.g. an
 older commit unpacked with `git archive`, to compare before and after in one run) on the built-in tiny
 model and a private redis-server; this process plays the scheduler and the workers on the bus, answering
-each request at once with scripted tokens, so only the gateway's own work is measured.
+each request with scripted tokens (all at once, or one per request per `--step-ms` as decode steps write
+them), so only the gateway's own work is measured. On a busy machine, `--together` runs the gateways of all
+sources at once, round after round, so that each round's numbers saw the same load.
 
     python -m benchmarks.gateway_load [--source DIR ...]
+    python -m benchmarks.gateway_load --parts stream --streams 32 --step-ms 10 --together --rounds 5 \
+        --source /tmp/before --source .
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import os
 import socket
 import statistics
@@ -42,10 +47,13 @@ class Gateway:
     url: str
 
 
-async def answer_requests(url: str, tokens_per_request: dict[str, int], default_tokens: int) -> None:
-    """The scheduler and workers: each request gets its Assignment and its tokens (ids 20, 21, ...) at once."""
+async def answer_requests(url: str, tokens_per_request: dict[int, int], default_tokens: int, step_s: float) -> None:
+    """The scheduler and workers: each request gets its Assignment and its tokens (ids 20, 21, ...): at once, or
+    with `step_s`, one entry per running request per step, as a worker's decode steps write them."""
     client = aioredis.Redis.from_url(url, socket_timeout=10)
     cursor = "0-0"  # a fresh Redis: every request from the first
+    running: dict[str, collections.deque] = {}  # per request, its entries not yet written
+    pacer = asyncio.create_task(pace(client, running, step_s)) if step_s else None
     try:
         while True:
             for _, entries in await client.xread({KEYS.requests: cursor}, block=1000) or ():
@@ -56,13 +64,32 @@ async def answer_requests(url: str, tokens_per_request: dict[str, int], default_
                     outs = [Assignment(req.rid, "w0", 1)] + [
                         TokenOutput(req.rid, s, i, 20 + i % 400, worker_id="w0", epoch=1,
                                     finish_reason="length" if i == count - 1 else None)
-                        for s in range(req.params.n) for i in range(count)]
-                    async with client.pipeline(transaction=False) as pipe:
-                        for out in outs:
-                            pipe.xadd(KEYS.out(req.rid), {FIELD: encode(out)})
-                        await pipe.execute()
+                        for i in range(count) for s in range(req.params.n)]
+                    if pacer is None:
+                        await write(client, outs)
+                    else:
+                        running[req.rid] = collections.deque(outs)
     finally:
+        if pacer is not None:
+            pacer.cancel()
         await client.aclose()
+
+
+async def pace(client: aioredis.Redis, running: dict[str, collections.deque], step_s: float) -> None:
+    while True:
+        await asyncio.sleep(step_s)
+        step = [outs.popleft() for outs in running.values()]
+        for rid in [rid for rid, outs in running.items() if not outs]:
+            del running[rid]
+        if step:
+            await write(client, step)
+
+
+async def write(client: aioredis.Redis, outs: list[Assignment | TokenOutput]) -> None:
+    async with client.pipeline(transaction=False) as pipe:
+        for out in outs:
+            pipe.xadd(KEYS.out(out.rid), {FIELD: encode(out)})
+        await pipe.execute()
 
 
 def start_gateway(source: Path, model: Path, redis_url: str, log: Path) -> Gateway:
@@ -76,12 +103,24 @@ def start_gateway(source: Path, model: Path, redis_url: str, log: Path) -> Gatew
     while time.monotonic() < deadline:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                wait_idle(proc.pid, deadline)
                 return Gateway(proc, url)
         except OSError:
             if proc.poll() is not None:
                 raise SystemExit(f"the gateway from {source} exited: {log.read_text()[-2000:]}")
             time.sleep(0.2)
     raise SystemExit(f"the gateway from {source} did not start")
+
+
+def wait_idle(pid: int, deadline: float) -> None:
+    """Until the process has done its start-up work (the gateway imports the chat-template renderer in the
+    background, seconds of CPU that the first measure would count): under 10 % of a core for half a second."""
+    used = cpu_seconds(pid)
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        used, before = cpu_seconds(pid), used
+        if used - before < 0.05:
+            return
 
 
 async def post(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, float]:
@@ -143,7 +182,7 @@ def table(title: str, rows: dict[str, dict[str, float]]) -> None:
 
 
 async def measure(gw: Gateway, redis_url: str, args: argparse.Namespace) -> dict[str, dict[str, float]]:
-    driver = asyncio.create_task(answer_requests(redis_url, {3: args.stream_tokens}, 1))
+    driver = asyncio.create_task(answer_requests(redis_url, {3: args.stream_tokens}, 1, args.step_ms / 1000))
     out = {}
     try:
         if "probe" in args.parts:
@@ -159,6 +198,41 @@ async def measure(gw: Gateway, redis_url: str, args: argparse.Namespace) -> dict
         driver.cancel()
 
 
+async def stream_together(gws: list[Gateway], redis_url: str, args: argparse.Namespace) -> list[list[dict[str, float]]]:
+    """Per round, per gateway: its CPU per streamed token while every gateway streams at once (`stream_cost`)."""
+    driver = asyncio.create_task(answer_requests(redis_url, {3: args.stream_tokens}, 1, args.step_ms / 1000))
+    try:
+        return [await asyncio.gather(*(stream_cost(gw.url, gw.proc.pid, args.stream_tokens, args.streams)
+                                       for gw in gws)) for _ in range(args.rounds)]
+    finally:
+        driver.cancel()
+
+
+def run(sources: list[Path], model: Path, tmp: Path, args: argparse.Namespace) -> dict[str, dict[str, dict[str, float]]]:
+    """{row name: {part: its measures}}: each source's gateway alone in turn, or all at once (`--together`)."""
+    results = {}
+    names = [str(s) if sources.count(s) == 1 else f"{s} ({k + 1})" for k, s in enumerate(sources)]
+    for group in [list(range(len(sources)))] if args.together else [[k] for k in range(len(sources))]:
+        port = free_port()
+        server = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
+                                  stdout=subprocess.DEVNULL)
+        redis_url = f"redis://127.0.0.1:{port}/0"
+        gws: list[Gateway] = []
+        try:
+            time.sleep(0.5)
+            gws = [start_gateway(sources[k].resolve(), model, redis_url, tmp / f"gateway-{k}.log") for k in group]
+            if args.together:
+                for r, row in enumerate(asyncio.run(stream_together(gws, redis_url, args))):
+                    results |= {f"{names[k]} round {r + 1}": {"stream": cost} for k, cost in zip(group, row)}
+            else:
+                results[names[group[0]]] = asyncio.run(measure(gws[0], redis_url, args))
+        finally:
+            for proc in [gw.proc for gw in gws] + [server]:
+                proc.terminate()
+                proc.wait(30)
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--source", action="append", type=Path, default=[],
@@ -166,29 +240,20 @@ def main() -> int:
     parser.add_argument("--parts", default="probe,burst,stream", help="what to measure (comma-separated)")
     parser.add_argument("--big", type=int, default=4, help="concurrent ~4 MB prompts")
     parser.add_argument("--stream-tokens", type=int, default=2000)
-    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--streams", type=int, default=8, help="concurrent streams (per gateway)")
+    parser.add_argument("--step-ms", type=float, default=0.0,
+                        help="write one token per running request every this many ms, as decode steps do (0: all of "
+                             "a request's tokens at once)")
+    parser.add_argument("--together", action="store_true",
+                        help="the stream part only, with every source's gateway streaming at the same time on one "
+                             "Redis, so that all share the same machine load: a fair A/B on a busy machine")
+    parser.add_argument("--rounds", type=int, default=3, help="with --together: how many times to measure")
     args = parser.parse_args()
     sources = args.source or [Path(__file__).resolve().parents[1]]
     from pagedserve.tiny_model import write_tiny_model
 
-    results: dict[str, dict[str, dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model = write_tiny_model(Path(tmp) / "tiny")
-        for source in sources:
-            port = free_port()
-            server = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
-                                      stdout=subprocess.DEVNULL)
-            redis_url = f"redis://127.0.0.1:{port}/0"
-            gw = None
-            try:
-                time.sleep(0.5)
-                gw = start_gateway(source.resolve(), model, redis_url, Path(tmp) / f"gateway-{len(results)}.log")
-                results[str(source)] = asyncio.run(measure(gw, redis_url, args))
-            finally:
-                for proc in (gw.proc if gw else None, server):
-                    if proc is not None:
-                        proc.terminate()
-                        proc.wait(30)
+        results = run(sources, write_tiny_model(Path(tmp) / "tiny"), Path(tmp), args)
     for part in next(iter(results.values())):
         table(part, {name: r[part] for name, r in results.items()})
     return 0

@@ -9,13 +9,14 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from shared.bus import (
-    BLOCK_MS, RECONNECT_ERRORS, Backoff, connect_async, decode_entry, read_registry, registry_query, retry_async,
+    BLOCK_MS, RECONNECT_ERRORS, Backoff, connect_async, decode_payload, read_registry, registry_query, retry_async,
 )
 from shared.keys import CONTROL_MAXLEN, FIELD, Keys
 from shared.protocol import Abort, Assignment, ProtocolError, Request, SchedulerStats, TokenOutput, decode, encode
 
 log = logging.getLogger(__name__)
 READ_COUNT = 256
+FIELD_KEY = FIELD.encode()
 T = TypeVar("T")
 WAKE_MAXLEN = 100
 WAKE_TTL_MS = 3_600_000  # a gateway that dies leaves its wake stream for an hour at most
@@ -23,10 +24,11 @@ WAKE_TTL_MS = 3_600_000  # a gateway that dies leaves its wake stream for an hou
 
 @dataclass(slots=True)
 class Follower:
-    """Where the entries of one followed `out:` stream go: `(tag, TokenOutput | Assignment)` into `queue`."""
+    """Where the entries of one followed `out:` stream go: `(tag, [TokenOutput | Assignment, ...])` into `queue`,
+    one item per read of the stream, so its reader wakes once for all the entries a read brought."""
     queue: asyncio.Queue
     tag: int
-    cursor: bytes | str = "0-0"
+    cursor: bytes = b"0-0"
 
 
 class Bus:
@@ -41,10 +43,14 @@ class Bus:
         self.instance = uuid.uuid4().hex  # the requests' gateway_id; names this gateway's keys
         self.client = connect_async(url, max_connections=max_connections)
         self.reader = connect_async(url, blocking=True)
-        self.wake_key = self.keys.gateway_wake(self.instance)
+        # The XREAD reply as Redis sends it: redis-py's parsing builds a dict per entry, then a list out of the
+        # reply's map, on every token.
+        self.reader.set_response_callback("XREAD", lambda reply, **_: reply)
+        # Stream names as bytes, as XREAD replies give them: nothing to encode or decode per read.
+        self.wake_key = self.keys.gateway_wake(self.instance).encode()
         self.alive_key = self.keys.gateway_alive(self.instance)
-        self.wake_cursor: bytes | str = "0-0"
-        self.followed: dict[str, Follower] = {}
+        self.wake_cursor = b"0-0"
+        self.followed: dict[bytes, Follower] = {}
         self.followed_changed = asyncio.Event()
         self.router: asyncio.Task | None = None
         self.heartbeat: asyncio.Task | None = None
@@ -88,17 +94,17 @@ class Bus:
             await pipe.execute()
 
     def follow(self, rid: str, queue: asyncio.Queue, tag: int) -> None:
-        """Route every entry of `rid`'s stream, from its start, into `queue` as `(tag, entry)`, until
+        """Route every entry of `rid`'s stream, from its start, into `queue` as `(tag, entries)`, until
         the scheduler's request-level end entry (the last one routed) or `unfollow`. Follow before submitting,
         so that the submission's wake reaches a read that includes the stream."""
-        self.followed[self.keys.out(rid)] = Follower(queue, tag)
+        self.followed[self.keys.out(rid).encode()] = Follower(queue, tag)
         self.followed_changed.set()
         if self.router is None or self.router.done():
             self.router = asyncio.get_running_loop().create_task(self._route())
 
     def unfollow(self, rids: list[str]) -> None:
         for rid in rids:
-            self.followed.pop(self.keys.out(rid), None)
+            self.followed.pop(self.keys.out(rid).encode(), None)
 
     async def _route(self) -> None:
         """Read all followed streams until the gateway closes; waits out Redis restarts. Anything else fails
@@ -127,21 +133,26 @@ class Bus:
                 await asyncio.sleep(delay)
                 continue
             backoff.reset()
-            for raw_key, entries in reply or ():
-                key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
+            # RESP3 (redis-py's default) sends a map of stream to entries, RESP2 a list of [stream, entries].
+            for key, entries in (reply.items() if isinstance(reply, dict) else reply or ()):
                 if key == self.wake_key:
                     self.wake_cursor = entries[-1][0]
                     continue
                 follower = self.followed.get(key)
-                for entry_id, fields in entries if follower is not None else ():
-                    follower.cursor = entry_id
-                    out = decode_entry(key, entry_id, fields, (TokenOutput, Assignment))
+                if follower is None:
+                    continue
+                follower.cursor = entries[-1][0]
+                outs = []
+                for entry_id, fields in entries:
+                    out = decode_payload(key, entry_id, _payload(fields), (TokenOutput, Assignment))
                     if out is None:
                         continue
-                    follower.queue.put_nowait((follower.tag, out))
+                    outs.append(out)
                     if isinstance(out, TokenOutput) and out.sample_index == -1:
                         del self.followed[key]
                         break
+                if outs:
+                    follower.queue.put_nowait((follower.tag, outs))
 
     async def live_workers(self) -> tuple[list[str], int]:
         """(ids of workers whose heartbeat key exists, number of registered workers)."""
@@ -161,6 +172,14 @@ class Bus:
             pipe.eval(*registry_query(self.keys))
             _, raw, registry = await pipe.execute()
         return raw, sorted(w for w, _, alive in read_registry(registry) if alive)
+
+
+def _payload(fields: list | None) -> bytes | None:
+    """The FIELD value of an entry's raw `[field, value, ...]` list; None if it has none."""
+    for i in range(0, len(fields or ()) - 1, 2):
+        if fields[i] == FIELD_KEY:
+            return fields[i + 1]
+    return None
 
 
 def decode_or_none(raw: bytes | None, cls: type[T], what: str) -> T | None:

@@ -27,15 +27,24 @@ class IncrementalDetokenizer:
     # Whole characters decoded but held back behind an unfinished one: the next token's text starts this many
     # characters after what `add` has returned so far.
     held: int = 0
+    # A token's text when decoding appends it as is to any tokens' (Tokenizer.appended_text), else None: with
+    # nothing held back, such a token's delta is its text, as the two decodes of `_advance` would find.
+    appended_text: Callable[[int], str | None] | None = None
 
     @classmethod
-    def after_prompt(cls, decode: Callable[[list[int]], str], prompt_ids: list[int]) -> "IncrementalDetokenizer":
+    def after_prompt(cls, decode: Callable[[list[int]], str], prompt_ids: list[int],
+                     appended_text: Callable[[int], str | None] | None = None) -> "IncrementalDetokenizer":
         context = list(prompt_ids[-PROMPT_CONTEXT:])
-        return cls(decode, context, 0, len(context))
+        return cls(decode, context, 0, len(context), appended_text=appended_text)
 
     def add(self, token_id: int) -> str:
         """Append one token; return the text it completes (empty while a character is still partial)."""
         self.token_ids.append(token_id)
+        if self.read_offset == len(self.token_ids) - 1 and self.appended_text is not None:
+            text = self.appended_text(token_id)
+            if text is not None:
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+                return text
         return self._advance(final=False)
 
     def flush(self) -> str:

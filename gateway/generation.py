@@ -56,12 +56,14 @@ class Sample:
 
 class RequestTracker:
     def __init__(self, rid: str, n: int, max_tokens: int, prompt_ids: list[int], decode: Callable[[list[int]], str],
-                 stops: list[str], *, prompt_logprobs: bool = False, hide_output: bool = False,
+                 stops: list[str], *, appended_text: Callable[[int], str | None] | None = None,
+                 prompt_logprobs: bool = False, hide_output: bool = False,
                  logger: logging.Logger | logging.LoggerAdapter = log) -> None:
         self.rid = rid
         self.fold = OutputFold(n, max_tokens)
-        self.samples = [Sample(IncrementalDetokenizer.after_prompt(decode, prompt_ids), StopStrings(list(stops)))
-                        for _ in range(n)]
+        self.samples = [Sample(IncrementalDetokenizer.after_prompt(decode, prompt_ids, appended_text),
+                               StopStrings(list(stops))) for _ in range(n)]
+        self.running = n  # samples not finished yet
         self.prompt_len = len(prompt_ids)
         self.want_prompt_logprobs = prompt_logprobs
         self.hide_output = hide_output  # the tokens end the samples but are no part of the answer
@@ -75,7 +77,7 @@ class RequestTracker:
 
     @property
     def finished(self) -> bool:
-        return self.error is not None or all(s.finish_reason is not None for s in self.samples)
+        return self.error is not None or self.running == 0
 
     @property
     def needs_abort(self) -> bool:
@@ -152,5 +154,7 @@ class RequestTracker:
         elif finish_reason is not None:
             text += sample.stop.flush()
             sample.finish_reason = finish_reason
+        if sample.finish_reason is not None:  # callers pass running samples only
+            self.running -= 1
         sample.text += text
         return Delta(index, text, records or [], sample.finish_reason, sample.stop_reason)

@@ -50,6 +50,7 @@ class Tokenizer:
         # gives a token's exact bytes, which decoding alone turns into U+FFFD when they are not whole characters.
         self.byte_of = byte_level_alphabet() if isinstance(backend.decoder, decoders.ByteLevel) else {}
         self.texts: dict[int, str] = {}  # token_text's cache: at most one entry per vocabulary token
+        self.appended: dict[int, str | None] = {}  # appended_text's cache
         self._render = None
 
     @classmethod
@@ -89,6 +90,17 @@ class Tokenizer:
             for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
                                   (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
                 text = text.replace(before, after)
+        return text
+
+    def appended_text(self, token_id: int) -> str | None:
+        """The text of a token that decoding appends as is to that of any tokens before it, else None: a vocabulary
+        token of plain ASCII bytes, under a ByteLevel decoder (its bytes end any unfinished character before them,
+        which decodes to the same U+FFFD as without them) and no clean-up (which rewrites across tokens)."""
+        text = self.appended.get(token_id, False)
+        if text is False:
+            raw = b"" if token_id in self.added or not self.byte_of or self.clean_up_spaces else self.token_bytes(token_id)
+            text = raw.decode() if raw and raw.isascii() else None
+            self.appended[token_id] = text
         return text
 
     def token_strs(self, token_ids: list[int]) -> list[str | None]:

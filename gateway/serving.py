@@ -104,14 +104,16 @@ class Generation:
         self.log = CallLog(log, {"request_id": request_id})
         self.id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(received)
+        self.text_chunks: dict[int, sse.TextEvent | None] = {}  # per choice, see _token_chunk
         decode = functools.partial(gw.model.tokenizer.decode, skip_special_tokens=call.skip_special_tokens)
         self.trackers = [RequestTracker(f"{self.id}-{i}", call.params.n, call.params.max_tokens, p.token_ids, decode,
-                                        call.stop, prompt_logprobs=call.params.prompt_logprobs is not None,
+                                        call.stop, appended_text=gw.model.tokenizer.appended_text,
+                                        prompt_logprobs=call.params.prompt_logprobs is not None,
                                         hide_output=call.hide_output, logger=self.log)
                          for i, p in enumerate(call.prompts)]
         self.first_token: list[float | None] = [None] * len(self.trackers)
-        # (prompt index, entry of its stream, or the error that ended the reading), as the bus routes them
-        self.queue: asyncio.Queue[tuple[int, TokenOutput | Assignment | BaseException]] = asyncio.Queue()
+        # (prompt index, entries of its stream, or the error that ended the reading), as the bus routes them
+        self.queue: asyncio.Queue[tuple[int, list[TokenOutput | Assignment] | BaseException]] = asyncio.Queue()
 
     @property
     def prompt_tokens(self) -> int:
@@ -121,13 +123,15 @@ class Generation:
         return usage(self.prompt_tokens, sum(t.num_generated for t in self.trackers),
                      sum(t.num_cached_tokens for t in self.trackers))
 
-    async def events(self) -> AsyncIterator[tuple[int, Delta]]:
-        """(choice index, delta) as tokens arrive, until every choice has finished."""
+    async def events(self) -> AsyncIterator[list[tuple[int, Delta]]]:
+        """(choice index, delta) as tokens arrive, until every choice has finished: a list per batch of entries
+        the bus routed at once."""
         gw, n = self.gw, self.call.params.n
         arrival = time.time()
         requests = [Request(t.rid, self.call.model, p.token_ids, self.call.params, arrival, gw.bus.instance)
                     for t, p in zip(self.trackers, self.call.prompts)]
         waiting = set(range(len(self.trackers)))  # places reserved by Gateway.admit
+        running = set(range(len(self.trackers)))
         submitted = False
         try:
             for i, tracker in enumerate(self.trackers):
@@ -138,23 +142,32 @@ class Generation:
                 raise bus_unavailable(e) from None
             submitted = True
             gw.metrics.prompt_tokens.inc(self.prompt_tokens)
-            while not all(t.finished for t in self.trackers):
-                i, out = await self.queue.get()
-                if isinstance(out, BaseException):
-                    raise out
+            while running:
+                i, outs = await self.queue.get()
+                if isinstance(outs, BaseException):
+                    raise outs
                 tracker = self.trackers[i]
-                deltas = tracker.apply(out)
-                if i in waiting and (tracker.started or tracker.finished):
-                    waiting.discard(i)
-                    if tracker.started:
-                        self._first_token(i, arrival)
-                    else:
-                        gw.admission.release(1)
-                if tracker.error is not None:
-                    raise RequestFailed(tracker.error, sum(t.num_generated for t in self.trackers),
-                                        tracker.error_kind)
-                for delta in deltas:
-                    yield i * n + delta.sample_index, delta
+                batch = []
+                for out in outs:
+                    deltas = tracker.apply(out)
+                    if i in waiting and (tracker.started or tracker.finished):
+                        waiting.discard(i)
+                        if tracker.started:
+                            self._first_token(i, arrival)
+                        else:
+                            gw.admission.release(1)
+                    if tracker.error is not None:
+                        if batch:
+                            yield batch  # the tokens before the error are streamed before it
+                        raise RequestFailed(tracker.error, sum(t.num_generated for t in self.trackers),
+                                            tracker.error_kind)
+                    batch += [(i * n + delta.sample_index, delta) for delta in deltas]
+                    if tracker.finished:
+                        running.discard(i)
+                        if not running:
+                            break  # the call is answered: entries after that are not read
+                if batch:
+                    yield batch
         finally:
             gw.bus.unfollow([t.rid for t in self.trackers])
             gw.admission.release(len(waiting))
@@ -224,10 +237,11 @@ class Generation:
         ends: list[tuple[str | None, str | None]] = [(None, None)] * count
         try:
             async with contextlib.aclosing(self.events()) as events:
-                async for index, delta in events:
-                    texts[index] += delta.text
-                    records[index] += delta.logprobs
-                    ends[index] = (delta.finish_reason, delta.stop_reason)
+                async for batch in events:
+                    for index, delta in batch:
+                        texts[index] += delta.text
+                        records[index] += delta.logprobs
+                        ends[index] = (delta.finish_reason, delta.stop_reason)
         except RequestFailed as e:
             raise _failure(e) from None
         choices = []
@@ -248,9 +262,24 @@ class Generation:
                 body["prompt_logprobs"] = per_prompt[0]
         return web.json_response(body)
 
+    def _chunk_body(self, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": self.fmt.chunk_object, "created": self.created, "model": self.call.model,
+                "choices": choices}
+
     def _chunk(self, choices: list[dict]) -> bytes:
-        return sse.event({"id": self.id, "object": self.fmt.chunk_object, "created": self.created,
-                          "model": self.call.model, "choices": choices})
+        return sse.event(self._chunk_body(choices))
+
+    def _token_chunk(self, index: int, delta: Delta, echoed: int) -> bytes:
+        """A token's chunk. Without logprobs, a choice's chunks up to its last differ in their text only: those are
+        filled into the choice's template."""
+        if delta.finish_reason is None and not self.fmt.want_logprobs:
+            if index not in self.text_chunks:
+                self.text_chunks[index] = sse.TextEvent.around(
+                    self._chunk_body([self.fmt.chunk_choice(index, sse.TEXT, [], None, None)]))
+            if (template := self.text_chunks[index]) is not None:
+                return template.event(delta.text)
+        return self._chunk([self.fmt.chunk_choice(index, delta.text, _shifted(delta.logprobs, echoed),
+                                                  delta.finish_reason, delta.stop_reason)])
 
     async def _open(self, request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers=sse.HEADERS | {REQUEST_ID: self.request_id})
@@ -263,29 +292,26 @@ class Generation:
         events_ready: list[bytes] = []  # written together while more tokens wait in the queue: one write, not one each
         try:
             async with contextlib.aclosing(self.events()) as events:
-                async for index, delta in events:
+                async for batch in events:
                     if response is None:
                         # Headers go out with the first token, so a request rejected before any gets a plain 4xx.
                         response = await self._open(request)
-                    if index not in echoed:
-                        text, prefix = self._prefix(index)
-                        echoed[index] = len(text)
-                        opening = self.fmt.opening(index, text if self.call.echo else None, prefix)
-                        if opening is not None:
-                            events_ready.append(self._chunk([opening]))
-                    # One event per token, with empty text while its characters are unfinished or held back
-                    # by a stop string, so that clients see every token arrive.
-                    events_ready.append(self._chunk([self.fmt.chunk_choice(
-                        index, delta.text, _shifted(delta.logprobs, echoed[index]), delta.finish_reason,
-                        delta.stop_reason)]))
+                    for index, delta in batch:
+                        if index not in echoed:
+                            text, prefix = self._prefix(index)
+                            echoed[index] = len(text)
+                            opening = self.fmt.opening(index, text if self.call.echo else None, prefix)
+                            if opening is not None:
+                                events_ready.append(self._chunk([opening]))
+                        # One event per token, with empty text while its characters are unfinished or held back
+                        # by a stop string, so that clients see every token arrive.
+                        events_ready.append(self._token_chunk(index, delta, echoed[index]))
                     if self.queue.empty():
                         await _send(response, events_ready)
             if response is None:
                 response = await self._open(request)
             if self.call.include_usage:
-                events_ready.append(sse.event({"id": self.id, "object": self.fmt.chunk_object,
-                                               "created": self.created, "model": self.call.model,
-                                               "choices": [], "usage": self.usage()}))
+                events_ready.append(sse.event(self._chunk_body([]) | {"usage": self.usage()}))
             events_ready.append(sse.DONE)
             await _send(response, events_ready)
             await response.write_eof()

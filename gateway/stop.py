@@ -21,6 +21,8 @@ class StopStrings:
 
     def feed(self, text: str) -> tuple[str, str | None]:
         """Return (text safe to send, the stop string matched or None)."""
+        if not self.stops:
+            return text, None  # most requests have none: nothing to search or hold back
         self.pending += text
         hit = min(((i, s) for s in self.stops if (i := self.pending.find(s)) >= 0), default=None)
         if hit is not None:

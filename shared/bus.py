@@ -99,13 +99,18 @@ async def retry_async(action: Callable[[], Awaitable[T]], what: str, stop: async
 
 def decode_entry(stream: str, entry_id: bytes | str, fields: dict, expected: type | tuple[type, ...]) -> Message | None:
     """The message of one stream entry, or None (logged) when it is malformed: services never crash on input."""
-    payload = fields.get(FIELD.encode(), fields.get(FIELD))
+    return decode_payload(stream, entry_id, fields.get(FIELD.encode(), fields.get(FIELD)), expected)
+
+
+def decode_payload(stream: bytes | str, entry_id: bytes | str, payload: bytes | None,
+                   expected: type | tuple[type, ...]) -> Message | None:
+    """`decode_entry` for an entry's FIELD value (None: the entry has none)."""
     try:
         if payload is None:
             raise ProtocolError(f"entry has no {FIELD!r} field")
         return decode(payload, expected)
     except ProtocolError as e:
-        log.warning("dropped malformed entry %s on %s: %s", _text(entry_id), stream, e)
+        log.warning("dropped malformed entry %s on %s: %s", _text(entry_id), _text(stream), e)
         return None
 
 

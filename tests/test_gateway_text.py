@@ -33,8 +33,9 @@ def hf(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
 
 
-def stream(tok: Tokenizer, prompt_ids: list[int], ids: list[int]) -> list[str]:
-    detok = IncrementalDetokenizer.after_prompt(tok.decode, prompt_ids)
+def stream(tok: Tokenizer, prompt_ids: list[int], ids: list[int], shortcut: bool = True) -> list[str]:
+    """The deltas, as the gateway makes them (`shortcut`: plain ASCII tokens skip decoding)."""
+    detok = IncrementalDetokenizer.after_prompt(tok.decode, prompt_ids, tok.appended_text if shortcut else None)
     return [detok.add(t) for t in ids] + [detok.flush()]
 
 
@@ -52,6 +53,25 @@ def test_deltas_join_to_decode_and_never_split_a_character(tok, hf, text):
 def test_any_token_sequence_detokenizes_like_decode(tok, ids, prompt):
     prompt_ids = tok.encode(prompt) if prompt else []
     assert "".join(stream(tok, prompt_ids, ids)) == tok.decode(ids)
+
+
+# Characters cut short, lone continuation bytes, an overlong form, a surrogate, past U+10FFFF, bytes never in UTF-8.
+TRICKY_BYTES = [b"\xe6\x9d", b"\xe6\x9d\xb1", b"\x80", b"\xbf\xbf", b"\xc0\x80", b"\xed\xa0\x80", b"\xf4\x90\x80\x80",
+                b"\xf5\xff", b"\xf0\x9f\x9a", "🚀".encode(), b"a", b"!", b" ", b"\n"]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.integers(0, 515) | st.sampled_from(TRICKY_BYTES), max_size=30),
+       st.lists(st.integers(0, 511) | st.sampled_from(TRICKY_BYTES), max_size=4))
+def test_a_plain_ascii_token_after_all_was_sent_is_its_own_delta_as_decoding_finds(tok, output, prompt):
+    # Oracle: the same detokenizer decoding every token (vLLM's method). Bytes stand for their byte tokens.
+    of_byte = {b[0]: t for t in range(tok.vocab_size) if t not in tok.added and len(b := tok.token_bytes(t)) == 1}
+
+    def ids(items: list[int | bytes]) -> list[int]:
+        return [t for item in items for t in ([item] if isinstance(item, int) else [of_byte[b] for b in item])]
+
+    assert stream(tok, ids(prompt), ids(output)) == stream(tok, ids(prompt), ids(output), shortcut=False)
+    assert [t for t in range(tok.vocab_size) if tok.appended_text(t) is not None], "the shortcut is taken"
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -121,9 +141,9 @@ def outputs(rid: str, sample: int, ids: list[int], finish: str = "length") -> li
             for i, t in enumerate(ids)]
 
 
-def placed_tracker(rid: str, n: int, prompt: list[int], decode, stops: list[str]) -> RequestTracker:
+def placed_tracker(rid: str, n: int, prompt: list[int], tok: Tokenizer, stops: list[str]) -> RequestTracker:
     """A tracker whose request the scheduler has placed on worker w0 in epoch 1."""
-    made = RequestTracker(rid, n, 64, prompt, decode, stops)
+    made = RequestTracker(rid, n, 64, prompt, tok.decode, stops, appended_text=tok.appended_text)
     made.apply(Assignment(rid, "w0", 1))
     return made
 
@@ -131,7 +151,7 @@ def placed_tracker(rid: str, n: int, prompt: list[int], decode, stops: list[str]
 def test_tracker_dedupes_interleaves_samples_and_applies_stop_strings(tok, hf):
     a = hf("one two three", add_special_tokens=False)["input_ids"]
     b = hf("東京 🚀 END rest", add_special_tokens=False)["input_ids"]
-    tracker = placed_tracker("r", 2, tok.encode("Q"), tok.decode, ["END"])
+    tracker = placed_tracker("r", 2, tok.encode("Q"), tok, ["END"])
     # Sample 1 is still running on the bus when its text hits the stop string.
     stream_a, stream_b = outputs("r", 0, a), outputs("r", 1, b)[:-1]
     entries = [e for i in range(max(len(a), len(b))) for e in (stream_a[i:i + 1] + stream_b[i:i + 1])]
@@ -148,10 +168,10 @@ def test_tracker_dedupes_interleaves_samples_and_applies_stop_strings(tok, hf):
 
 def test_tracker_leaves_out_the_text_of_a_stop_token_and_ends_on_a_request_error(tok, hf):
     ids = hf("hi there</s>", add_special_tokens=False)["input_ids"]
-    tracker = placed_tracker("r", 1, [], tok.decode, [])
+    tracker = placed_tracker("r", 1, [], tok, [])
     text = "".join(d.text for e in outputs("r", 0, ids, finish="stop") for d in tracker.apply(e))
     assert text == "hi there" and not tracker.needs_abort
-    failing = placed_tracker("q", 1, [], tok.decode, [])
+    failing = placed_tracker("q", 1, [], tok, [])
     assert failing.apply(TokenOutput("q", -1, 0, 0, finish_reason="error", error="too long")) == []
     assert failing.finished and failing.error == "too long" and not failing.needs_abort
     assert failing.apply(TokenOutput("other", 0, 0, 5)) == []
@@ -159,7 +179,7 @@ def test_tracker_leaves_out_the_text_of_a_stop_token_and_ends_on_a_request_error
 
 def test_tracker_ends_running_samples_when_the_scheduler_ends_the_request(tok, hf):
     ids = hf("one two", add_special_tokens=False)["input_ids"]
-    tracker = placed_tracker("r", 2, [], tok.decode, [])
+    tracker = placed_tracker("r", 2, [], tok, [])
     for e in outputs("r", 0, ids, finish="stop"):
         tracker.apply(e)
     tracker.apply(outputs("r", 1, ids)[0])
@@ -174,6 +194,16 @@ def test_sse_event_is_one_data_line_of_json():
     assert frame.endswith(b"\n\n") and frame.count(b"\n") == 2 and frame.startswith(b"data: ")
     assert json.loads(frame[len(b"data: "):]) == {"text": "東京\n🚀", "n": 1}
     assert sse.DONE == b"data: [DONE]\n\n"
+
+
+@given(st.text(max_size=20) | st.sampled_from(["\x00", '"', "\\u0000", "\u2028\x7f\x1f", "東京\n🚀"]))
+def test_a_text_event_fills_in_to_the_whole_event_encoded(text):
+    # Oracle: encoding the whole event with its text.
+    def chunk(t: str) -> dict:
+        return {"id": "cmpl-1", "model": 'a "quoted" \\ model', "choices": [{"index": 0, "delta": {"content": t},
+                                                                       "logprobs": None, "finish_reason": None}]}
+    assert sse.TextEvent.around(chunk(sse.TEXT)).event(text) == sse.event(chunk(text))
+    assert sse.TextEvent.around({"a": sse.TEXT, "b": sse.TEXT}) is None
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
