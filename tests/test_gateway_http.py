@@ -610,6 +610,23 @@ def test_a_waiting_request_survives_a_redis_restart(own_redis, tiny_model_dir, m
     assert reply.json()["choices"][0]["text"] == text
 
 
+def test_a_malformed_entry_in_a_token_stream_is_dropped_and_the_rest_streams(base, model, redis_url, caplog):
+    text = "still whole 🚀"
+    r = redis.Redis.from_url(redis_url)
+    with LiveGateway(base, model) as gw:
+        pending = asyncio.run_coroutine_threadsafe(gw.request("POST", "/v1/completions", {"prompt": "hi"}), gw.loop)
+        wait_until(lambda: r.xlen(KEYS.requests) == 1, "the request on the bus")
+        ((_, fields),) = r.xrange(KEYS.requests)
+        req = decode(fields[FIELD.encode()], Request)
+        entries = [{FIELD: encode(entry)} for entry in as_placed(req, answer(model, [text])(req))]
+        for entry in entries[:2] + [{"other": b"field"}, {FIELD: b"\xc1not msgpack"}] + entries[2:]:
+            r.xadd(KEYS.out(req.rid), entry)
+        reply = pending.result(60)
+    assert reply.status == 200, reply.text
+    assert reply.json()["choices"][0]["text"] == text
+    assert caplog.text.count("dropped malformed entry") == 2
+
+
 def forged_around(model: ServedModel, text: str) -> Script:
     """`text` from the assigned worker w0 (epoch 1), interleaved with what a process that can write to Redis
     might add: a huge output index, tokens of a worker the request is not assigned to, a stale epoch, an
