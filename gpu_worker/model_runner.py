@@ -45,7 +45,7 @@ class ModelRunner:
         self.backend = attention_backend(settings.attention_backend, self.device.type)
         free_before, total = torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else (0, 0)
         self.model = load_model(model_dir, config, self.max_model_len, self.device, self.dtype, progress)
-        if packed_linear.can_pack(self.dtype, self.device):
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             packed_linear.pack_linears(self.model)
             if not packed_linear.native_bfloat16():
                 log.info("this CPU has no native bfloat16: linears multiply in float32 from float32 copies of the "

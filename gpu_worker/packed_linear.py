@@ -49,10 +49,6 @@ def native_bfloat16() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    return device.type == "cpu" and dtype == torch.bfloat16
-
-
 def pack_linears(model: nn.Module) -> int:
     """Replace every nn.Linear of `model` (loaded, bfloat16, on the CPU) by its packed twin, or by its widened one
     where oneDNN cannot pack bfloat16; how many."""
