@@ -106,7 +106,13 @@ def test_prefix_aware_placement(redis_url, stack_factory):
 
 def _stream_with_fault(client: BusClient, stack: Stack, batch, fault) -> list[list[int]]:
     rids = [client.submit(p, GREEDY) for p in batch]
-    client.wait_for(lambda: (client.poll(), client.generated_count(rids) >= 40)[1], "tokens to stream")
+    deadline = time.monotonic() + 90
+    # poll() blocks until tokens arrive: no sleep between reads, so the fault lands mid-stream on a fast machine too
+    while client.generated_count(rids) < 40:
+        assert time.monotonic() < deadline, "timed out waiting for tokens to stream"
+        stack.assert_alive()
+        client.poll()
+    assert not all(client.done(r) for r in rids), "every request ended before the fault: nothing to recover"
     fault()
     client.wait(rids, timeout=180)
     assert not client.errors, client.errors
