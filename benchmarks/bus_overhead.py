@@ -1,7 +1,7 @@
 """What the Redis bus costs: one request trace through the in-process engine and through the services.
 
-Both run the same scheduler and worker cores with the same settings; the services add msgpack,
-Redis round trips and process hops. For each concurrency (requests kept in flight) it prints output
+Both run the same scheduler and worker cores with the same settings and compute threads (the engine gets as
+many as `pagedserve up` gives its one worker); the services add msgpack, Redis round trips and process hops. For each concurrency (requests kept in flight) it prints output
 tokens/s of each, their ratio, and the mean step time of each (the difference is the per-step
 latency the bus adds). Run from the repo root:
 
@@ -45,9 +45,12 @@ def trace(count: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
 
 
 def run_engine(settings: Settings, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> Run:
+    from gpu_worker.cpu_setup import stack_placement
     from pagedserve.engine import Engine
 
-    engine = Engine(settings)
+    # As many compute threads as the stack's one worker gets (the launcher leaves a core to the front end):
+    # the ratio is then the bus's cost, not a thread count's. Not pinned: the services run from this process.
+    engine = Engine(settings.replace(compute_threads=settings.compute_threads or stack_placement(0, 1).threads))
     engine.generate(prompts[:1], params)  # warm-up
     queue = list(prompts)
     in_flight: set[str] = set()
