@@ -12,6 +12,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#define INLINE static inline __attribute__((always_inline))
+
 static inline float from_bf16(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;
@@ -27,10 +29,29 @@ static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch's c
     return (uint16_t)(u >> 16);
 }
 
+/* e^x for the scores less their running max (x <= 0) without a call, so that a block's scores vectorize:
+   Cephes' expf (x = n ln 2 + r, a degree-6 polynomial for e^r, 2^n put in the exponent bits); within 2 ulp of
+   expf. Below -87 the result is clamped near 2^-126 where expf would give a subnormal: a weight of ~1e-38
+   beside the max's 1, invisible in the sum. */
+INLINE float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float e = p * r * r + r + 1.0f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return e * scale;
+}
+
 /* 8 partial sums, so that the compiler keeps them in one vector register (head_dim is a multiple of 8 in every
    supported model; a tail is summed apart). */
-#define INLINE static inline __attribute__((always_inline))
-
 INLINE float dot(const float *restrict a, const float *restrict b, int64_t n) {
     float s[8] = {0}, tail = 0.0f;
     int64_t d = 0;
@@ -56,17 +77,21 @@ INLINE void attend_block(const float *restrict qf, const float *restrict k, cons
             top = s[t] > top ? s[t] : top;
         }
         const float shrink = expf(m[j] - top); /* 0 at the first block: acc and l are 0 */
+        for (int64_t t = 0; t < count; t++) s[t] = exp_nonpositive(s[t] - top);
         float sum = 0.0f;
-        for (int64_t t = 0; t < count; t++) {
-            s[t] = expf(s[t] - top);
-            sum += s[t];
-        }
+        for (int64_t t = 0; t < count; t++) sum += s[t];
         m[j] = top;
         l[j] = l[j] * shrink + sum;
         float *restrict a = acc + j * dim;
         for (int64_t d = 0; d < dim; d++) a[d] *= shrink;
         for (int64_t t = 0; t < count; t++) axpy(a, s[t], v + t * stride, dim);
     }
+}
+
+/* Ask for a block's keys and values before they are needed: the arithmetic of one block then hides the memory
+   latency of the next, which the hardware prefetcher does not foresee (blocks lie anywhere in the cache). */
+INLINE void prefetch(const char *p, int64_t bytes) {
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(p + at, 0, 3);
 }
 
 /* One decode's attention over its sequence: block by block, every kv head in turn, so that a block's keys and
@@ -86,8 +111,14 @@ INLINE void task(int dtype, const void *q, int64_t q_row, int64_t q_head, const 
         l[j] = 0.0f;
     }
     memset(acc, 0, sizeof acc);
+    const int64_t block_bytes = block_size * token_stride * (dtype ? 2 : 4);
     for (int64_t start = 0; start < len; start += block_size) {
         const int64_t count = len - start < block_size ? len - start : block_size;
+        if (start + block_size < len) {
+            const int64_t next = (int64_t)table[start / block_size + 1] * block_bytes;
+            prefetch((const char *)kc + next, block_bytes);
+            prefetch((const char *)vc + next, block_bytes);
+        }
         for (int64_t h = 0; h < kv_heads; h++) {
             const int64_t first = (int64_t)table[start / block_size] * block_size * token_stride + h * dim;
             float *qh = qf + h * group * dim, *ah = acc + h * group * dim, *mh = m + h * group, *lh = l + h * group;
