@@ -2,8 +2,7 @@
 
 Registers, keeps a heartbeat alive from a thread (a long step must not look like a death), reads its
 plan stream, executes each plan and publishes every sampled token to `out:{rid}` plus the step
-result in one atomic script, so the scheduler's view and the clients' streams never diverge;
-the same round trip fetches the next plan when the scheduler has already sent it.
+result in one atomic script, so the scheduler's view and the clients' streams never diverge.
 
 Neither Redis round trip waits on the step's path: a blocking read of the plan stream is sent before a
 step runs, so the next plan (which the scheduler writes while this step runs) is in the socket when the
