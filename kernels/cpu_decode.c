@@ -30,12 +30,14 @@ static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch's c
 }
 
 /* e^x for the scores less their running max (x <= 0) without a call, so that a block's scores vectorize:
-   Cephes' expf (x = n ln 2 + r, a degree-6 polynomial for e^r, 2^n put in the exponent bits); within 2 ulp of
-   expf. Below -87 the result is clamped near 2^-126 where expf would give a subnormal: a weight of ~1e-38
+   Cephes' expf (x = n ln 2 + r, a degree-6 polynomial for e^r, 2^n put in the exponent bits); within 1 ulp of
+   expf over every float in [-87, 0]. Below -87 the result is clamped near 2^-126 where expf would give a subnormal: a weight of ~1e-38
    beside the max's 1, invisible in the sum. */
 INLINE float exp_nonpositive(float x) {
     x = x < -87.0f ? -87.0f : x;
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    /* n = round(x log2 e) by adding and taking away 1.5 · 2^23 (round to nearest, as floorf would need
+       -fno-trapping-math to vectorize) */
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
     const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
