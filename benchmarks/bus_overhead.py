@@ -1,9 +1,9 @@
 """What the Redis bus costs: one request trace through the in-process engine and through the services.
 
 Both run the same scheduler and worker cores with the same settings and compute threads (the engine gets as
-many as `pagedserve up` gives its one worker); the services add msgpack, Redis round trips and process hops. For each concurrency (requests kept in flight) it prints output
-tokens/s of each, their ratio, and the mean step time of each (the difference is the per-step
-latency the bus adds). Run from the repo root:
+many as `pagedserve up` gives its one worker); the services add msgpack, Redis round trips and process hops.
+For each concurrency (requests kept in flight) it prints output tokens/s of each, their ratio, and the mean
+step time of each (the difference is the per-step latency the bus adds). Run from the repo root:
 
     python -m benchmarks.bus_overhead                 # tiny model, concurrency 1, 16, 64
     python -m benchmarks.bus_overhead --quick         # a short smoke run

@@ -113,15 +113,15 @@ INLINE void task(int dtype, const void *q, int64_t q_row, int64_t q_head, const 
         l[j] = 0.0f;
     }
     memset(acc, 0, sizeof acc);
-    const int64_t block_bytes = block_size * token_stride * (dtype ? 2 : 4);
+    /* the next block is prefetched a share per kv head: all at once would stall on the line fill buffers */
+    const int64_t share = block_size * dim * (dtype ? 2 : 4), block_bytes = share * kv_heads;
     for (int64_t start = 0; start < len; start += block_size) {
         const int64_t count = len - start < block_size ? len - start : block_size;
         const int64_t next = start + block_size < len ? (int64_t)table[start / block_size + 1] * block_bytes : -1;
         for (int64_t h = 0; h < kv_heads; h++) {
-            if (next >= 0) { /* a share of the next block per head: all at once would stall on the line fill buffers */
-                const int64_t share = block_bytes / kv_heads, from = next + h * share;
-                prefetch((const char *)kc + from, h == kv_heads - 1 ? block_bytes - h * share : share);
-                prefetch((const char *)vc + from, h == kv_heads - 1 ? block_bytes - h * share : share);
+            if (next >= 0) {
+                prefetch((const char *)kc + next + h * share, share);
+                prefetch((const char *)vc + next + h * share, share);
             }
             const int64_t first = (int64_t)table[start / block_size] * block_size * token_stride + h * dim;
             float *qh = qf + h * group * dim, *ah = acc + h * group * dim, *mh = m + h * group, *lh = l + h * group;
