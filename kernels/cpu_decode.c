@@ -12,22 +12,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define INLINE static inline __attribute__((always_inline))
-
-static inline float from_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch's conversion */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* e^x for the scores less their running max (x <= 0) without a call, so that a block's scores vectorize:
    Cephes' expf (x = n ln 2 + r, a degree-6 polynomial for e^r, 2^n put in the exponent bits); within 1 ulp of

@@ -1,7 +1,8 @@
-"""The CPU decode kernel (kernels/cpu_decode.c), compiled for this machine on first use and loaded with ctypes.
+"""The CPU kernels (kernels/cpu_decode.c, kernels/cpu_linear.c), compiled for this machine on first use into one
+library and loaded with ctypes.
 
 Plain C with no torch headers, so a build takes about a second; the shared library is kept under
-`$PAGEDSERVE_CACHE_DIR` (default `~/.cache/pagedserve`), named by a hash of the source, the flags and the
+`$PAGEDSERVE_CACHE_DIR` (default `~/.cache/pagedserve`), named by a hash of the sources, the flags and the
 CPU's features, and built to a temporary name then renamed, so workers starting together neither rebuild
 it nor load half a file. With no C compiler (or a failed build) `load()` returns None, logs why once, and
 the CPU backend keeps its torch path.
@@ -21,7 +22,9 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "cpu_decode.c", HERE / "cpu_linear.c")
+HEADERS = (HERE / "bf16.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fno-math-errno")
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
@@ -43,7 +46,8 @@ def _build(compiler: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
+        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True,
+                       text=True)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -52,23 +56,27 @@ def _build(compiler: str, target: Path) -> None:
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
-    """The kernel library with `paged_decode` typed, or None when it cannot be built here (logged)."""
+    """The kernel library with `paged_decode` and `bf16_linear` typed, or None when it cannot be built here (logged)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        log.warning("no C compiler (cc, gcc or $CC): the CPU attention gathers keys and values with torch instead")
+        log.warning("no C compiler (cc, gcc or $CC): the CPU attention gathers keys and values with torch, and "
+                    "bfloat16 linears read float32 copies, instead")
         return None
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *FLAGS, _cpu_features()]).encode()).hexdigest()
-    target = _cache_dir() / f"cpu_decode-{key[:16]}.so"
+    texts = [f.read_text() for f in SOURCES + HEADERS]
+    key = hashlib.sha256("\0".join([*texts, compiler, *FLAGS, _cpu_features()]).encode()).hexdigest()
+    target = _cache_dir() / f"cpu_kernels-{key[:16]}.so"
     if not target.exists():
         try:
             _build(compiler, target)
         except (OSError, subprocess.CalledProcessError) as e:
             detail = getattr(e, "stderr", "") or e
-            log.warning("building the CPU decode kernel failed (%s): the CPU attention gathers with torch instead",
+            log.warning("building the CPU kernels failed (%s): the CPU attention and bfloat16 linears use torch",
                         str(detail).strip()[-500:])
             return None
     lib = ctypes.CDLL(str(target))
     lib.paged_decode.restype = ctypes.c_int
     lib.paged_decode.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _PTR,
                                  _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int]
+    lib.bf16_linear.restype = ctypes.c_int
+    lib.bf16_linear.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int]
     return lib

@@ -276,8 +276,8 @@ def test_step_attention_stores_then_attends(backend):
                                **tolerance(torch.float32))
 
 
-def test_the_c_decode_kernel_is_built_once_per_machine_and_missing_compilers_fall_back_to_torch(tmp_path, monkeypatch,
-                                                                                                caplog):
+def test_the_c_kernels_are_built_once_per_machine_and_missing_compilers_fall_back_to_torch(tmp_path, monkeypatch,
+                                                                                           caplog):
     """A fresh cache directory gets one shared library; a compiler that does not exist gives None (logged), and
     the CPU backend's plan then uses the torch gathers."""
     from kernels import native
@@ -286,11 +286,11 @@ def test_the_c_decode_kernel_is_built_once_per_machine_and_missing_compilers_fal
     native.load.cache_clear()
     try:
         assert native.load() is not None
-        assert len(list(tmp_path.glob("cpu_decode-*.so"))) == 1
+        assert len(list(tmp_path.glob("cpu_kernels-*.so"))) == 1
         native.load.cache_clear()
         monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
         assert native.load() is None
-        assert "building the CPU decode kernel failed" in caplog.text
+        assert "building the CPU kernels failed" in caplog.text
         batch = random_paged_batch(random.Random("no-cc"), [(5, 1), (30, 1)], 16, 64, 2, 1, torch.float32)
         attend = step_attention(cpu_attention, batch.slot_mapping, batch.block_tables, batch.query_start_loc,
                                 batch.seq_lens)

@@ -1,11 +1,13 @@
 """bfloat16 linears on the CPU: prepacked weights give exactly the logits of the plain linears (CPUs with native
-bfloat16); widened ones (float32 copies, on CPUs without) give the exact product rounded once."""
+bfloat16); widened ones (on CPUs without: the C kernel for a few tokens, float32 chunks for MKL for more) give the
+exact product rounded once."""
 from __future__ import annotations
 
 import pytest
 import torch
 from worker_oracle import prompts, single_thread, write_tiny  # noqa: F401 (fixture)
 
+from gpu_worker import packed_linear
 from gpu_worker.packed_linear import PackedLinear, WidenedLinear, native_bfloat16, pack_linears
 
 native_only = pytest.mark.skipif(not native_bfloat16(), reason="oneDNN has no native bfloat16 on this CPU")
@@ -53,15 +55,26 @@ def test_a_bfloat16_model_with_packed_linears_gives_the_same_logits(arch, tmp_pa
         torch.testing.assert_close(logits(), plain, atol=0.05, rtol=0.02)
 
 
-@pytest.mark.parametrize("tokens,bias", [(1, False), (64, True)])
-def test_a_widened_linear_gives_the_exact_product_of_the_bfloat16_values_rounded_once(tokens, bias):
+@pytest.mark.parametrize("native", [True, False], ids=["c-kernel", "no-compiler"])
+@pytest.mark.parametrize("tokens,bias", [(1, False), (5, True), (packed_linear.FEW_ROWS + 1, False), (64, True)])
+def test_a_widened_linear_gives_the_exact_product_of_the_bfloat16_values_rounded_once(tokens, bias, native,
+                                                                                       monkeypatch):
+    """Up to FEW_ROWS tokens the C kernel, from there float32 chunks of the weight (600 rows: three chunks, the
+    last one short); without a C compiler, chunks at every size."""
+    if not native:
+        monkeypatch.setattr(packed_linear.native, "load", lambda: None)
+    elif packed_linear.native.load() is None:
+        pytest.skip("no C compiler here")
     gen = torch.Generator().manual_seed(tokens)
-    linear = torch.nn.Linear(768, 300, bias=bias).to(torch.bfloat16)
-    x = torch.randn(tokens, 768, generator=gen).to(torch.bfloat16)
+    linear = torch.nn.Linear(772, 600, bias=bias).to(torch.bfloat16)  # 772: a tail past the kernel's 8-wide steps
+    x = torch.randn(tokens, 2 * 772, generator=gen).to(torch.bfloat16)[:, :772]  # rows strided apart, as in a view
     exact = torch.nn.functional.linear(x.double(), linear.weight.double(),
                                        None if linear.bias is None else linear.bias.double())
+    widened = WidenedLinear(linear, torch.empty(packed_linear.CHUNK_ROWS * 772))
+    assert (widened.kernel is not None) == native
     with torch.inference_mode():
-        out = WidenedLinear(linear)(x)
-    assert out.dtype == torch.bfloat16
-    # float32 sums of 768 products can land on the other side of a bfloat16 rounding boundary: one unit at most
+        out = widened(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (tokens, 600)
+    # float32 sums of 772 products can land on the other side of a bfloat16 rounding boundary: one unit at most
     torch.testing.assert_close(out.double(), exact.to(torch.bfloat16).double(), rtol=2 ** -7, atol=1e-6)
+    assert widened.weight.dtype == torch.bfloat16  # no float32 copy kept
