@@ -62,9 +62,11 @@ class WidenedLinear(nn.Module):
         if m <= FEW_ROWS and self.kernel is not None and x.dtype == torch.bfloat16:
             rows = rows if rows.stride(-1) == 1 else rows.contiguous()
             out = torch.empty(m, n, dtype=torch.bfloat16)
-            self.kernel.bf16_linear(rows.data_ptr(), rows.stride(0), self.weight.data_ptr(),
-                                    None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), m, n, k,
-                                    torch.get_num_threads())
+            code = self.kernel.bf16_linear(rows.data_ptr(), rows.stride(0), self.weight.data_ptr(),
+                                           None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), m, n,
+                                           k, torch.get_num_threads())
+            if code:
+                raise MemoryError(f"cpu_linear.c could not allocate {m} × {k} floats")
         else:
             wide, out32 = rows.float(), torch.empty(m, n)
             for n0 in range(0, n, CHUNK_ROWS):

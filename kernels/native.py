@@ -60,7 +60,7 @@ def load() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.warning("no C compiler (cc, gcc or $CC): the CPU attention gathers keys and values with torch, and "
-                    "bfloat16 linears read float32 copies, instead")
+                    "bfloat16 linears widen their weights in chunks for MKL, instead")
         return None
     texts = [f.read_text() for f in SOURCES + HEADERS]
     key = hashlib.sha256("\0".join([*texts, compiler, *FLAGS, _cpu_features()]).encode()).hexdigest()
