@@ -26,8 +26,8 @@ from torch import nn
 
 from kernels import native
 
-# Measured on an AVX2 EPYC (RESULTS.md): the C kernel beats MKL on a float32 copy up to 8-16 tokens, and a float32
-# chunk of 256 rows × 768 (768 KiB) stays in cache.
+# Measured on an AVX2 EPYC (RESULTS.md, issue 16): the C kernel beats MKL on float32 weights up to 8-16 tokens;
+# widening 256 rows at a time was about the fastest of 64-1024 rows, at k = 768 and at k = 3072.
 FEW_ROWS = 8
 CHUNK_ROWS = 256
 
@@ -54,7 +54,7 @@ class WidenedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
         self.bias32 = None if self.bias is None else self.bias.float()
         self.scratch = scratch
-        self.kernel = native.load()
+        self.kernel = native.load() if self.weight.dtype == torch.bfloat16 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)

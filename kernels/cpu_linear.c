@@ -49,7 +49,7 @@ INLINE void tile_rows(const float *restrict xf, const uint16_t *restrict w, cons
     const float *restrict x0 = xf + i0 * k, *restrict x1 = xf + (i0 + pair - 1) * k;
     v8f acc0[ROWS] = {{0}}, acc1[ROWS] = {{0}};
     /* a tile's rows are one contiguous run: per step of 8 columns (ROWS × 16 bytes), a line AHEAD tiles on */
-    const char *ahead = i0 == 0 && n0 + AHEAD * ROWS < n ? (const char *)(w + (n0 + AHEAD * ROWS) * k) : NULL;
+    const char *ahead = i0 == 0 && n0 + (AHEAD + 1) * ROWS <= n ? (const char *)(w + (n0 + AHEAD * ROWS) * k) : NULL;
     for (int64_t d = 0; d < body; d += 8) {
         if (ahead) __builtin_prefetch(ahead + d * ROWS * 2, 0, 0);
         v8f a, b;

@@ -5,7 +5,7 @@ Plain C with no torch headers, so a build takes about a second; the shared libra
 `$PAGEDSERVE_CACHE_DIR` (default `~/.cache/pagedserve`), named by a hash of the sources, the flags and the
 CPU's features, and built to a temporary name then renamed, so workers starting together neither rebuild
 it nor load half a file. With no C compiler (or a failed build) `load()` returns None, logs why once, and
-the CPU backend keeps its torch path.
+the CPU attention keeps its torch path, bfloat16 linears their float32 chunks for MKL.
 """
 from __future__ import annotations
 

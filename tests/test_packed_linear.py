@@ -24,14 +24,15 @@ def test_a_packed_linear_computes_what_the_linear_does(tokens, bias):
         assert torch.equal(PackedLinear(linear)(x.t().contiguous().t()), linear(x))  # a strided input
 
 
+@pytest.mark.parametrize("tokens", [5, 12], ids=["few-tokens", "more-tokens"])  # about packed_linear.FEW_ROWS
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "opt", "qwen2"])
-def test_a_bfloat16_model_with_packed_linears_gives_the_same_logits(arch, tmp_path):
+def test_a_bfloat16_model_with_packed_linears_gives_the_same_logits(arch, tokens, tmp_path):
     from gpu_worker.loader import load_config, load_model
     from gpu_worker.models.layers import ForwardContext
 
     model_dir = write_tiny(arch, tmp_path / arch)
     model = load_model(model_dir, load_config(model_dir), 64, torch.device("cpu"), torch.bfloat16, progress=False)
-    ids = torch.tensor(prompts([12])[0])
+    ids = torch.tensor(prompts([tokens])[0])
     positions = torch.arange(len(ids))
 
     def logits() -> torch.Tensor:
@@ -59,22 +60,26 @@ def test_a_bfloat16_model_with_packed_linears_gives_the_same_logits(arch, tmp_pa
 @pytest.mark.parametrize("tokens,bias", [(1, False), (5, True), (packed_linear.FEW_ROWS + 1, False), (64, True)])
 def test_a_widened_linear_gives_the_exact_product_of_the_bfloat16_values_rounded_once(tokens, bias, native,
                                                                                        monkeypatch):
-    """Up to FEW_ROWS tokens the C kernel, from there float32 chunks of the weight (600 rows: three chunks, the
-    last one short); without a C compiler, chunks at every size."""
+    """Up to FEW_ROWS tokens the C kernel, from there float32 chunks of the weight (602 rows: three chunks, the
+    last one short, and a last tile of 2 rows in the kernel); without a C compiler, chunks at every size."""
     if not native:
         monkeypatch.setattr(packed_linear.native, "load", lambda: None)
     elif packed_linear.native.load() is None:
         pytest.skip("no C compiler here")
     gen = torch.Generator().manual_seed(tokens)
-    linear = torch.nn.Linear(772, 600, bias=bias).to(torch.bfloat16)  # 772: a tail past the kernel's 8-wide steps
-    x = torch.randn(tokens, 2 * 772, generator=gen).to(torch.bfloat16)[:, :772]  # rows strided apart, as in a view
-    exact = torch.nn.functional.linear(x.double(), linear.weight.double(),
-                                       None if linear.bias is None else linear.bias.double())
+    linear = torch.nn.Linear(772, 602, bias=bias).to(torch.bfloat16)  # 772: a tail past the kernel's 8-wide steps
     widened = WidenedLinear(linear, torch.empty(packed_linear.CHUNK_ROWS * 772))
     assert (widened.kernel is not None) == native
-    with torch.inference_mode():
-        out = widened(x)
-    assert out.dtype == torch.bfloat16 and out.shape == (tokens, 600)
-    # float32 sums of 772 products can land on the other side of a bfloat16 rounding boundary: one unit at most
-    torch.testing.assert_close(out.double(), exact.to(torch.bfloat16).double(), rtol=2 ** -7, atol=1e-6)
-    assert widened.weight.dtype == torch.bfloat16  # no float32 copy kept
+    assert widened.weight.data_ptr() == linear.weight.data_ptr()  # the bfloat16 weights themselves, no copy
+    rows = torch.randn(tokens, 2 * 772, generator=gen).to(torch.bfloat16)
+    inputs = {"rows strided apart": rows[:, :772], "3-D": rows[:, :772].reshape(1, tokens, 772),
+              "columns strided apart": rows[:, ::2]}
+    for name, x in inputs.items():
+        exact = torch.nn.functional.linear(x.double(), linear.weight.double(),
+                                           None if linear.bias is None else linear.bias.double())
+        with torch.inference_mode():
+            out = widened(x)
+        assert out.dtype == torch.bfloat16 and out.shape == x.shape[:-1] + (602,), name
+        # float32 sums of 772 products can land on the other side of a bfloat16 rounding boundary: one unit at most
+        torch.testing.assert_close(out.double(), exact.to(torch.bfloat16).double(), rtol=2 ** -7, atol=1e-6,
+                                   msg=lambda detail: f"{name}: {detail}")

@@ -135,7 +135,7 @@ def test_dtype_choice(tmp_path):
 
 def test_a_bfloat16_worker_starts_on_any_cpu_and_picks_what_transformers_picks_in_bfloat16(tmp_path):
     """Packing bfloat16 weights for oneDNN needs native bfloat16 (AVX-512 BF16, AMX): on an AVX2-only CPU the
-    worker keeps the plain linears instead of failing to start. Its first tokens are transformers' own
+    worker widens them in float32 instead of failing to start. Its first tokens are transformers' own
     bfloat16 argmax where that one is clear of the runner-up."""
     from transformers import AutoModelForCausalLM
 
