@@ -9,12 +9,12 @@ stays on MKL's sgemm: packed, its sums come out in another order.
 
 oneDNN packs bfloat16 only on CPUs with native bfloat16 (AVX-512 BF16, AMX, AVX-NE-CONVERT). On others
 (AVX2 alone) torch's bfloat16 matmul is a slow fallback: 64 tokens through 768 → 3072 took 32 ms against
-6.7 ms for float32 there. So there a linear keeps its bfloat16 weights and multiplies in float32, rounding its
-output to bfloat16 once, as a bfloat16 matmul with float32 accumulation does:
-- up to `FEW_ROWS` tokens (decode at low load), kernels/cpu_linear.c reads the bfloat16 weights and widens them
-  in registers: half the bytes of a float32 copy, 2-4× faster than MKL on one here from two tokens up;
-- more tokens widen `CHUNK_ROWS` weight rows at a time into a float32 scratch that stays in cache, for MKL:
-  within ~15 % of a whole float32 copy, and faster where the weight does not fit in cache (the lm_head).
+6.7 ms for float32 there. So there a linear keeps its bfloat16 weights, packed into panels once, and
+kernels/cpu_linear.c multiplies them in float32, widening them in registers and rounding its output to bfloat16
+once, as a bfloat16 matmul with float32 accumulation does. It reads half the bytes of a float32 copy and was
+faster than MKL on one at every size measured (1-64 tokens: 0.13-0.9× MKL's time, RESULTS.md), and each output's
+sum has one order whatever the batch. Without a C compiler the weights are widened `CHUNK_ROWS` rows at a time
+into a float32 scratch, for MKL.
 """
 from __future__ import annotations
 
@@ -26,10 +26,7 @@ from torch import nn
 
 from kernels import native
 
-# Measured on an AVX2 EPYC (RESULTS.md, issue 16): the C kernel beats MKL on float32 weights up to 8-16 tokens;
-# widening 256 rows at a time was about the fastest of 64-1024 rows, at k = 768 and at k = 3072.
-FEW_ROWS = 8
-CHUNK_ROWS = 256
+CHUNK_ROWS = 256  # the fallback's float32 chunk: 768 KiB at 768 inputs, in cache
 
 
 class PackedLinear(nn.Module):
@@ -45,21 +42,24 @@ class PackedLinear(nn.Module):
 
 class WidenedLinear(nn.Module):
     """A bfloat16 linear multiplied in float32 (for CPUs without native bfloat16); `scratch` is a float32 buffer
-    of at least CHUNK_ROWS × in_features, shared by a model's linears (one forward runs at a time)."""
+    of at least CHUNK_ROWS × in_features for the fallback without a C compiler, shared by a model's linears (one
+    forward runs at a time)."""
 
     def __init__(self, linear: nn.Linear, scratch: torch.Tensor) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight.detach().contiguous()
+        weight = linear.weight.detach()
+        self.kernel = native.load() if weight.dtype == torch.bfloat16 else None
+        self.weight = weight.contiguous() if self.kernel is None else panels(weight, self.kernel.bf16_panel_width())
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
         self.bias32 = None if self.bias is None else self.bias.float()
         self.scratch = scratch
-        self.kernel = native.load() if self.weight.dtype == torch.bfloat16 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         m, n, k = rows.shape[0], self.out_features, self.in_features
-        if m <= FEW_ROWS and self.kernel is not None and x.dtype == torch.bfloat16:
+        if self.kernel is not None:
+            rows = rows.to(torch.bfloat16)
             rows = rows if rows.stride(-1) == 1 else rows.contiguous()
             out = torch.empty(m, n, dtype=torch.bfloat16)
             code = self.kernel.bf16_linear(rows.data_ptr(), rows.stride(0), self.weight.data_ptr(),
@@ -67,6 +67,7 @@ class WidenedLinear(nn.Module):
                                            k, torch.get_num_threads())
             if code:
                 raise MemoryError(f"cpu_linear.c could not allocate {m} × {k} floats")
+            out = out.to(x.dtype)
         else:
             wide, out32 = rows.float(), torch.empty(m, n)
             for n0 in range(0, n, CHUNK_ROWS):
@@ -75,6 +76,13 @@ class WidenedLinear(nn.Module):
                 out32[:, n0:n1] = F.linear(wide, chunk, None if self.bias32 is None else self.bias32[n0:n1])
             out = out32.to(x.dtype)
         return out.view(*x.shape[:-1], n)
+
+
+def panels(weight: torch.Tensor, width: int) -> torch.Tensor:
+    """`weight` [n, k] as kernels/cpu_linear.c reads it: [ceil(n / width), k, width], the last panel padded with
+    zeros."""
+    padded = F.pad(weight, (0, 0, 0, -weight.shape[0] % width))
+    return padded.view(-1, width, weight.shape[1]).transpose(1, 2).contiguous()
 
 
 def native_bfloat16() -> bool:
@@ -89,7 +97,8 @@ def pack_linears(model: nn.Module) -> int:
     if native_bfloat16():
         twin = PackedLinear
     else:
-        scratch = torch.empty(CHUNK_ROWS * max((m.in_features for _, m in targets), default=0))
+        fallback = native.load() is None  # only the fallback needs the scratch
+        scratch = torch.empty(CHUNK_ROWS * max((m.in_features for _, m in targets), default=0) if fallback else 0)
         twin = functools.partial(WidenedLinear, scratch=scratch)
     for name, module in targets:
         parent, _, attr = name.rpartition(".")

@@ -79,4 +79,6 @@ def load() -> ctypes.CDLL | None:
                                  _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int]
     lib.bf16_linear.restype = ctypes.c_int
     lib.bf16_linear.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int]
+    lib.bf16_panel_width.restype = _I64
+    lib.bf16_panel_width.argtypes = []
     return lib
