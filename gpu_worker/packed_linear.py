@@ -14,11 +14,9 @@ kernels/cpu_linear.c multiplies them in float32, widening them in registers and 
 once, as a bfloat16 matmul with float32 accumulation does. It reads half the bytes of a float32 copy and was
 faster than MKL on one at every size measured (1-64 tokens: 0.13-0.9× MKL's time, RESULTS.md), and each output's
 sum has one order whatever the batch. Without a C compiler the weights are widened `CHUNK_ROWS` rows at a time
-into a float32 scratch, for MKL.
+for MKL (the worker keeps freed memory in its heap, so the chunks cost no page faults).
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -41,19 +39,15 @@ class PackedLinear(nn.Module):
 
 
 class WidenedLinear(nn.Module):
-    """A bfloat16 linear multiplied in float32 (for CPUs without native bfloat16); `scratch` is a float32 buffer
-    of at least CHUNK_ROWS × in_features for the fallback without a C compiler, shared by a model's linears (one
-    forward runs at a time)."""
+    """A bfloat16 linear multiplied in float32 (for CPUs without native bfloat16)."""
 
-    def __init__(self, linear: nn.Linear, scratch: torch.Tensor) -> None:
+    def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.kernel = native.load() if weight.dtype == torch.bfloat16 else None
         self.weight = weight.contiguous() if self.kernel is None else panels(weight, self.kernel.bf16_panel_width())
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
-        self.bias32 = None if self.bias is None else self.bias.float()
-        self.scratch = scratch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -72,8 +66,8 @@ class WidenedLinear(nn.Module):
             wide, out32 = rows.float(), torch.empty(m, n)
             for n0 in range(0, n, CHUNK_ROWS):
                 n1 = min(n, n0 + CHUNK_ROWS)
-                chunk = self.scratch[:(n1 - n0) * k].view(n1 - n0, k).copy_(self.weight[n0:n1])
-                out32[:, n0:n1] = F.linear(wide, chunk, None if self.bias32 is None else self.bias32[n0:n1])
+                bias = None if self.bias is None else self.bias[n0:n1].float()
+                out32[:, n0:n1] = F.linear(wide, self.weight[n0:n1].float(), bias)
             out = out32.to(x.dtype)
         return out.view(*x.shape[:-1], n)
 
@@ -93,13 +87,8 @@ def native_bfloat16() -> bool:
 def pack_linears(model: nn.Module) -> int:
     """Replace every nn.Linear of `model` (loaded, bfloat16, on the CPU) by its packed twin, or by its widened one
     where oneDNN cannot pack bfloat16; how many."""
+    twin = PackedLinear if native_bfloat16() else WidenedLinear
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-    if native_bfloat16():
-        twin = PackedLinear
-    else:
-        fallback = native.load() is None  # only the fallback needs the scratch
-        scratch = torch.empty(CHUNK_ROWS * max((m.in_features for _, m in targets), default=0) if fallback else 0)
-        twin = functools.partial(WidenedLinear, scratch=scratch)
     for name, module in targets:
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, twin(module))

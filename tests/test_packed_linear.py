@@ -64,7 +64,7 @@ def widened_linear(native: bool, monkeypatch, bias: bool) -> tuple[torch.nn.Line
     elif packed_linear.native.load() is None:
         pytest.skip("no C compiler here")
     linear = torch.nn.Linear(772, 602, bias=bias).to(torch.bfloat16)
-    widened = WidenedLinear(linear, torch.empty(packed_linear.CHUNK_ROWS * 772))
+    widened = WidenedLinear(linear)
     assert (widened.kernel is not None) == native
     assert widened.weight.dtype == torch.bfloat16  # no float32 copy of the weights kept
     return linear, widened
