@@ -10,12 +10,16 @@ of `--context` prompt tokens prefilled, then `--steps` decode steps of all B. Ea
   sampling    the sampler (penalties, temperature, draws, logprobs, .tolist())
 per model, dtype, attention backend and batch size, in ms per step.
 
+Prefill (`--part prefill`): one sequence's prompt of each of `--prompts` lengths prefilled in one step,
+split by the same phases, ms per prefill (the mean of `--steps` after a warm-up).
+
 Stack (`--part stack`): `pagedserve up --workers 1` under a fixed load (benchmarks/serving.py in this
 process: `--stack-requests` requests of `--context` prompt / `--stack-output` output tokens, at most B in
 flight), CPU seconds of each process over the load, per output token (µs), and wall time.
 
     python -m benchmarks.step_profile                       # both parts, both models, both dtypes
     python -m benchmarks.step_profile --part worker --models tiny --dtypes float32 --batches 64
+    python -m benchmarks.step_profile --part prefill --models llama-100m --backends cpu --prompts 128,2048
 """
 from __future__ import annotations
 
@@ -127,6 +131,58 @@ def profile_worker(model_dir: Path, dtype: str, backend: str, batch: int, contex
     return phases(clock, steps)
 
 
+def profile_prefill(model_dir: Path, dtype: str, backend: str, length: int, repeats: int,
+                    wall: bool = False) -> dict[str, float]:
+    import torch
+
+    from gpu_worker.worker import Worker
+    from shared.protocol import NewSequence, ScheduledSequence, StepPlan
+    from shared.sampling import SamplingParams
+    from shared.settings import Settings
+
+    block = 16
+    blocks = list(range(1, 1 + math.ceil((length + 1) / block)))
+    settings = Settings(model=str(model_dir), dtype=dtype, attention_backend=backend, block_size=block,
+                        num_blocks=len(blocks) + 1, swap_space_bytes=0, max_num_batched_tokens=1 << 20)
+    worker = Worker.load(settings, progress=False)
+    wid = worker.registration.worker_id
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    prompt = torch.randint(3, worker.vocab_size, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+    step_ids = iter(range(1 << 30))
+    forget = worker.execute  # not timed: the instrumented `execute` is the prefill's
+
+    def prefill(seq: int) -> None:
+        worker.execute(StepPlan(wid, 0, next(step_ids), new_sequences=[NewSequence(seq, str(seq), 0, prompt, [], params)],
+                                scheduled=[ScheduledSequence(seq, 0, length, new_block_ids=blocks)]))
+        forget(StepPlan(wid, 0, next(step_ids), finished=[seq]))
+
+    prefill(0)  # warm-up
+    clock = Clock(time.perf_counter) if wall else Clock()
+    instrument(worker, clock)
+    for seq in range(1, repeats + 1):
+        prefill(seq)
+    return phases(clock, repeats)
+
+
+def prefill_part(args: argparse.Namespace, models: dict[str, Path]) -> None:
+    rows = []
+    for name, model_dir in models.items():
+        for dtype in args.dtypes.split(","):
+            for backend in args.backends.split(","):
+                for length in (int(n) for n in args.prompts.split(",")):
+                    ms = profile_prefill(model_dir, dtype, backend, length, args.steps, args.wall)
+                    rows.append((name, dtype, backend, length, ms))
+                    say(f"{name} {dtype} {backend} prompt {length}: {ms['total']:.1f} ms")
+    print(f"\nWorker alone: one sequence's prompt prefilled in one step, mean of {args.steps}, {args.threads} torch "
+          f"thread(s); {'wall' if args.wall else 'CPU'} ms per prefill\n")
+    print("| model | dtype | backend | prompt | " + " | ".join(PHASES) + " | total | prompt tok/s |")
+    print("|---|---|---|---:|" + "---:|" * (len(PHASES) + 2))
+    for name, dtype, backend, length, ms in rows:
+        cells = " | ".join(f"{ms[p]:.1f}" for p in PHASES)
+        print(f"| {name} | {dtype} | {backend} | {length} | {cells} | {ms['total']:.1f} | "
+              f"{1000 * length / ms['total']:,.0f} |")
+
+
 def worker_part(args: argparse.Namespace, models: dict[str, Path]) -> None:
     rows = []
     for name, model_dir in models.items():
@@ -217,13 +273,16 @@ def say(message: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--part", choices=("worker", "stack", "both"), default="both")
+    p.add_argument("--part", choices=("worker", "prefill", "stack", "both"), default="both",
+                   help="both: worker and stack")
     p.add_argument("--models", default="tiny,llama-100m", help="comma-separated: tiny, llama-100m")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--backends", default="torch", help="worker part: comma-separated attention backends")
     p.add_argument("--batches", default="1,16,64", help="sequences per step (worker), concurrency (stack)")
     p.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
-    p.add_argument("--steps", type=int, default=16, help="worker part: decode steps measured")
+    p.add_argument("--steps", type=int, default=16, help="worker part: decode steps measured; prefill part: "
+                   "prefills measured per prompt length")
+    p.add_argument("--prompts", default="128,512,2048", help="prefill part: comma-separated prompt lengths")
     p.add_argument("--stack-requests", type=int, default=0, help="requests per stack run (0 = 2 × concurrency, ≥ 16)")
     p.add_argument("--stack-output", type=int, default=64)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the worker part; "
@@ -242,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         models = {name: MODELS[name](Path(tmp) / name) for name in args.models.split(",")}
         if args.part in ("worker", "both"):
             worker_part(args, models)
+        if args.part == "prefill":
+            prefill_part(args, models)
         if args.part in ("stack", "both"):
             stack_part(args, models)
     return 0

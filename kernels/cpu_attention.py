@@ -1,15 +1,16 @@
-"""Paged attention for the CPU: decode tokens read the paged cache in place (a C kernel), prefill chunks SDPA.
+"""Paged attention for the CPU: every query row reads the paged cache in place (a C kernel), in one order.
 
 The reference (kernels/reference.py) gathers slot by slot and rebuilds its indices and masks in every
-layer; here a step's plan (which sequences decode, their blocks, the masks) is built once, at the first
-layer, and serves every layer of the step. Single-query sequences (decode) go to kernels/cpu_decode.c
-(built by kernels/native.py), which walks each sequence's blocks in place with an online softmax: what
-bounds decode attention is memory traffic, and it reads each key and value once, where gathering copies
-them twice. Without a C compiler (or for a float16 cache) they attend in length-sorted groups instead: per
-group one index_select of whole blocks for K and one for V, one matmul for the scores of all heads, a
-softmax in float32 and one matmul for the output, in the cache dtype as transformers' eager attention.
-Multi-query chunks (prefill, with or without cached context) go through torch's fused CPU
-scaled_dot_product_attention in float32, causal with the context as offset.
+layer; here a step's plan (each sequence's query rows, blocks and lengths) is built once, at the first layer,
+and serves every layer of the step. kernels/cpu_attention.c (built by kernels/native.py) walks each sequence's
+blocks in place with an online softmax, a run of a chunk's query rows per block, so it reads each key and
+value once per run where gathering copies them twice; and it sums each row's attention in the same order
+whether the row is a decode or part of a prefill chunk of any size, so a token's attention does not depend
+on chunking, batching or a recompute after preemption or a worker's restart. Without a C compiler (or for a
+float16 cache, or a head or block size that is not a multiple of 8) decode rows attend in length-sorted groups instead: per group one index_select of whole
+blocks for K and one for V, one matmul for the scores of all heads, a softmax in float32 and one matmul for
+the output, in the cache dtype as transformers' eager attention; and multi-query chunks go through torch's
+fused CPU scaled_dot_product_attention in float32, causal with the context as offset.
 
 Same semantics and signatures as the reference; `step_attention` is the per-step entry the model uses.
 """
@@ -27,16 +28,17 @@ __all__ = ["copy_blocks", "paged_attention", "step_attention", "store_kv"]
 
 # A decode group's gathered keys (float32 elements), as in the reference: bounds the memory of one call.
 _DECODE_GROUP_ELEMENTS = 1 << 24
-_NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # kernels/cpu_decode.c's dtype codes
+_NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # kernels/cpu_attention.c's dtype codes
+# Query rows of a chunk per task of the C kernel: more reuse each block read from memory, fewer tasks to share
+# among threads.
+_NATIVE_SPAN = 8
 
 
 @dataclass(slots=True)
-class _NativeDecodes:
-    """Every decode of the step, for the C kernel: query rows, their sequences, and tables it reads in place."""
-    rows: torch.Tensor  # [n] int64
-    seqs: torch.Tensor  # [n] int64
+class _NativePlan:
+    """Every query row of the step, for the C kernel: its tasks and the tables it reads in place."""
+    tasks: torch.Tensor  # [n, 4] int64: first query row, sequence, keys the first row sees, rows
     tables: torch.Tensor  # [num_seqs, max_blocks] int32, contiguous
-    seq_lens: torch.Tensor  # [num_seqs] int32, contiguous
 
 
 @dataclass(slots=True)
@@ -66,7 +68,7 @@ class StepAttention:
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     decodes: list[_DecodeGroup] = field(default_factory=list)
-    native: _NativeDecodes | None = None  # replaces `decodes` where the C kernel runs
+    native: _NativePlan | None = None  # replaces `decodes` and `chunks` where the C kernel runs
     chunks: list[_Chunk] = field(default_factory=list)
     planned: bool = False
     slots: torch.Tensor | None = None  # slot_mapping as int64 when no slot is padding (< 0)
@@ -76,7 +78,7 @@ class StepAttention:
                  value_cache: torch.Tensor, scale: float) -> torch.Tensor:
         if not self.planned:
             _, block_size, kv_heads, dim = key_cache.shape
-            self._plan(block_size, kv_heads * dim, query.device, query.dtype, key_cache.dtype)
+            self._plan(block_size, kv_heads, dim, query.device, query.dtype, key_cache.dtype)
         if self.slots is None:
             store_kv(key, value, key_cache, value_cache, self.slot_mapping)
         else:  # no padding slot: straight into the caches
@@ -90,7 +92,8 @@ class StepAttention:
             return _decode(query, key_cache, value_cache, self.decodes[0], scale)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if self.native is not None:
-            _native_decode(query, key_cache, value_cache, out, self.native, scale)
+            _native_attend(query, key_cache, value_cache, out, self.native, scale)
+            return out
         for group in self.decodes:
             rows = group.rows if group.rows is not None else slice(0, group.size)
             out[rows] = _decode(query, key_cache, value_cache, group, scale)
@@ -98,13 +101,22 @@ class StepAttention:
             out[chunk.start:chunk.start + chunk.q_len] = _chunk(query, key_cache, value_cache, chunk, scale)
         return out
 
-    def _plan(self, block_size: int, token_elements: int, device: torch.device, query_dtype: torch.dtype,
+    def _plan(self, block_size: int, kv_heads: int, head_dim: int, device: torch.device, query_dtype: torch.dtype,
               cache_dtype: torch.dtype) -> None:
         slots = self.slot_mapping.long()
         self.slots = slots if bool((slots >= 0).all()) else None
+        self.planned = True
         starts = self.query_start_loc.tolist()
         lens = self.seq_lens.tolist()
         tables = self.block_tables
+        if (device.type == "cpu" and query_dtype == cache_dtype in _NATIVE_DTYPES and block_size % 8 == 0
+                and head_dim % 8 == 0 and native.load() is not None):
+            tasks = [(starts[s] + i, s, seq_len - q_len + i + 1, min(_NATIVE_SPAN, q_len - i))
+                     for s, seq_len in enumerate(lens) if (q_len := starts[s + 1] - starts[s]) > 0
+                     for i in range(0, q_len, _NATIVE_SPAN)]
+            self.native = _NativePlan(torch.tensor(tasks, dtype=torch.int64).view(-1, 4),
+                                      tables.to(torch.int32).contiguous())
+            return
         decodes = []
         for s, seq_len in enumerate(lens):
             q_len = starts[s + 1] - starts[s]
@@ -117,19 +129,12 @@ class StepAttention:
                     q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
                     mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
                 self.chunks.append(_Chunk(starts[s], q_len, seq_len, tables[s, :n_blocks].long(), mask))
-        self.planned = True
-        if (decodes and device.type == "cpu" and query_dtype == cache_dtype in _NATIVE_DTYPES
-                and native.load() is not None):
-            self.native = _NativeDecodes(torch.tensor([starts[s] for s in decodes], dtype=torch.int64),
-                                         torch.tensor(decodes, dtype=torch.int64),
-                                         tables.to(torch.int32).contiguous(), self.seq_lens.to(torch.int32).contiguous())
-            return
         # sorted by length; a new group when the gathered keys would pass the budget or the padding double
         decodes.sort(key=lambda s: lens[s])
         group: list[int] = []
         for s in decodes:
             width = -(-lens[s] // block_size) * block_size
-            if group and ((len(group) + 1) * width * token_elements > _DECODE_GROUP_ELEMENTS
+            if group and ((len(group) + 1) * width * kv_heads * head_dim > _DECODE_GROUP_ELEMENTS
                           or width > 2 * lens[group[0]] + block_size):
                 self.decodes.append(self._group(group, lens, starts, block_size, device))
                 group = []
@@ -151,17 +156,17 @@ class StepAttention:
         return _DecodeGroup(len(seqs), rows, blocks, num_blocks, padding[:, None, None, :], padded_slots)
 
 
-def _native_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
-                   plan: _NativeDecodes, scale: float) -> None:
-    """The step's decode rows of `out`, by kernels/cpu_decode.c over the caches in place."""
+def _native_attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
+                   plan: _NativePlan, scale: float) -> None:
+    """Every row of `out`, by kernels/cpu_attention.c over the caches in place."""
     _, block_size, kv_heads, dim = key_cache.shape
     query = query if query.stride(-1) == 1 else query.contiguous()
-    code = native.load().paged_decode(
+    code = native.load().paged_attention(
         _NATIVE_DTYPES[key_cache.dtype], query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(),
         value_cache.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1), plan.tables.data_ptr(),
-        plan.tables.stride(0), plan.seq_lens.data_ptr(), plan.rows.data_ptr(), plan.seqs.data_ptr(),
-        plan.rows.shape[0], query.shape[1], kv_heads, dim, block_size, scale, torch.get_num_threads())
-    assert code == 0, "cpu_decode.c refused the cache dtype"
+        plan.tables.stride(0), plan.tasks.data_ptr(), plan.tasks.shape[0], query.shape[1], kv_heads, dim,
+        block_size, scale, torch.get_num_threads())
+    assert code == 0, "cpu_attention.c refused the cache dtype"
 
 
 def _gather(cache: torch.Tensor, group: _DecodeGroup, zero_padding: bool) -> torch.Tensor:
@@ -213,6 +218,5 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     scale: float) -> torch.Tensor:
     """The reference's signature: one layer's attention over caches already stored (plans for this call alone)."""
     step = StepAttention(torch.empty(0, dtype=torch.int64), block_tables, query_start_loc, seq_lens)
-    step._plan(key_cache.shape[1], key_cache.shape[2] * key_cache.shape[3], query.device, query.dtype,
-               key_cache.dtype)
+    step._plan(*key_cache.shape[1:], query.device, query.dtype, key_cache.dtype)
     return step.attend(query, key_cache, value_cache, scale)

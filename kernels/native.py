@@ -1,4 +1,4 @@
-"""The CPU kernels (kernels/cpu_decode.c, kernels/cpu_linear.c), compiled for this machine on first use into one
+"""The CPU kernels (kernels/cpu_attention.c, kernels/cpu_linear.c), compiled for this machine on first use into one
 library and loaded with ctypes.
 
 Plain C with no torch headers, so a build takes about a second; the shared library is kept under
@@ -23,7 +23,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "cpu_decode.c", HERE / "cpu_linear.c")
+SOURCES = (HERE / "cpu_attention.c", HERE / "cpu_linear.c")
 HEADERS = (HERE / "bf16.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fno-math-errno")
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -56,7 +56,7 @@ def _build(compiler: str, target: Path) -> None:
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
-    """The kernel library with `paged_decode` and `bf16_linear` typed, or None when it cannot be built here (logged)."""
+    """The kernel library with `paged_attention` and `bf16_linear` typed, or None when it cannot be built here (logged)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.warning("no C compiler (cc, gcc or $CC): the CPU attention gathers keys and values with torch, and "
@@ -74,9 +74,9 @@ def load() -> ctypes.CDLL | None:
                         str(detail).strip()[-500:])
             return None
     lib = ctypes.CDLL(str(target))
-    lib.paged_decode.restype = ctypes.c_int
-    lib.paged_decode.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _PTR,
-                                 _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int]
+    lib.paged_attention.restype = ctypes.c_int
+    lib.paged_attention.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _PTR,
+                                    _I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int]
     lib.bf16_linear.restype = ctypes.c_int
     lib.bf16_linear.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int]
     lib.bf16_panel_width.restype = _I64

@@ -57,6 +57,29 @@ def test_greedy_matches_transformers(tiny_model_dir, hf_model, settings):
         assert eng.cluster.stats(0.0).preemptions > 0
 
 
+def test_a_bfloat16_sequence_gets_the_same_bits_alone_batched_chunked_or_recomputed(tiny_model_dir):
+    """Where the bfloat16 linears are the C kernel (CPUs without native bfloat16), every op sums a token's values
+    in one order whatever else is in the step, and the attention does too, decode or prefill chunk
+    (kernels/cpu_attention.c). So a sequence's logprobs are the same bits alone, in a batch with chunked
+    prefills, or preempted and prefilled again, as after a worker's restart."""
+    from gpu_worker import packed_linear
+    from kernels import native
+
+    if packed_linear.native_bfloat16() or native.load() is None:
+        pytest.skip("oneDNN's native bfloat16 linears (or no C compiler): sums in an order that depends on the batch")
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=0)
+    prompts = make_prompts(6, seed=21)
+    solo = engine(tiny_model_dir, dtype="bfloat16")
+    alone = [solo.generate([prompt], params)[0].samples[0] for prompt in prompts]
+    chunked = engine(tiny_model_dir, dtype="bfloat16", max_num_batched_tokens=24, block_size=8)
+    recompute = engine(tiny_model_dir, dtype="bfloat16", num_blocks=20)
+    for eng in (chunked, recompute):
+        samples = [completion.samples[0] for completion in eng.generate(prompts, params)]
+        assert [s.token_ids for s in samples] == [s.token_ids for s in alone]
+        assert [s.logprobs for s in samples] == [s.logprobs for s in alone]
+    assert recompute.cluster.stats(0.0).preemptions > 0
+
+
 def test_prefix_hits_are_read_not_recomputed(tiny_model_dir, hf_model):
     eng = engine(tiny_model_dir)
     shared = make_prompts(1, seed=11, low=70, high=71)[0]

@@ -214,10 +214,10 @@ def test_cpu_backend_matches_reference_on_mixed_batches(block_size, head_dim, qp
 
 @pytest.mark.parametrize("kernel", ["native", "gathers"])
 def test_cpu_backend_decode_groups_by_length_and_rows_out_of_order(kernel, monkeypatch):
-    """Decodes of very different lengths (several length groups for the torch gathers), interleaved with a
-    prefill chunk and a sequence with no new token; one step's plan serves every layer, each storing its own keys
+    """Decodes of very different lengths (several length groups for the torch gathers), interleaved with
+    prefill chunks and a sequence with no new token; one step's plan serves every layer, each storing its own keys
     and values (through a padding slot) into NaN caches before attending. `native`: the C kernel reading the
-    caches in place (kernels/cpu_decode.c); `gathers`: the torch path where no C compiler is found."""
+    caches in place (kernels/cpu_attention.c); `gathers`: the torch path where no C compiler is found."""
     if kernel == "gathers":
         monkeypatch.setattr(cpu_attention.native, "load", lambda: None)
     chunks = [(3, 1), (0, 9), (700, 1), (40, 0), (5, 1), (260, 1), (130, 4), (1, 1), (1200, 1)]
@@ -233,16 +233,16 @@ def test_cpu_backend_decode_groups_by_length_and_rows_out_of_order(kernel, monke
         out = attend(batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, SCALE)
         torch.testing.assert_close(out, reference.paged_attention(*batch.attention_args(SCALE)),
                                    **tolerance(torch.float32))
-    assert attend.chunks and attend.slots is None
+    assert attend.slots is None
     if kernel == "native":
-        assert attend.native is not None and not attend.decodes
+        assert attend.native is not None and not attend.decodes and not attend.chunks
     else:
-        assert attend.native is None and len(attend.decodes) > 1
+        assert attend.native is None and len(attend.decodes) > 1 and attend.chunks
 
 
 @pytest.mark.parametrize("block_size,head_dim,queries_per_kv,num_kv_heads", [(16, 64, 2, 2), (8, 128, 4, 1),
                                                                            (32, 80, 1, 3)])
-def test_the_c_decode_kernel_reads_bfloat16_caches_in_place_as_the_reference_reads_them(
+def test_the_c_kernel_reads_bfloat16_caches_in_place_as_the_reference_reads_them(
         block_size, head_dim, queries_per_kv, num_kv_heads):
     """bfloat16 caches and queries (the kernel computes in float32 and rounds its output once); NaN wherever a
     sequence has no key, a strided query as the model passes it."""
@@ -259,6 +259,50 @@ def test_the_c_decode_kernel_reads_bfloat16_caches_in_place_as_the_reference_rea
     args = batch.attention_args(SCALE)
     expected = reference.paged_attention(query, *args[1:])
     torch.testing.assert_close(out.float(), expected.float(), **tolerance(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype,block_size,head_dim,queries_per_kv,num_kv_heads", [
+    (torch.float32, 16, 64, 2, 2), (torch.bfloat16, 16, 64, 2, 2), (torch.bfloat16, 8, 128, 1, 3),
+    (torch.float32, 32, 80, 4, 1)])
+def test_a_tokens_attention_is_the_same_bits_decoded_prefilled_whole_or_in_chunks(dtype, block_size, head_dim,
+                                                                                   queries_per_kv, num_kv_heads):
+    """One sequence of 45 tokens in a NaN-poisoned cache, its pages shuffled: each position's output alone as a
+    decode, in one prefill of all 45, and in chunks of 5, 13 and 27 over the cached context before them, in one
+    step with other sequences. The C kernel sums each row in one order, so a worker's restart (which prefills
+    what was decoded) changes no bit; the reference checks the values."""
+    from kernels import native
+
+    assert native.load() is not None
+    length, heads = 45, queries_per_kv * num_kv_heads
+    gen = torch.Generator().manual_seed(block_size + head_dim)
+    pages = -(-length // block_size)
+    key_cache = torch.full((pages + 4, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    value_cache = key_cache.clone()
+    table = torch.randperm(pages + 3, generator=gen)[:pages] + 1  # block 0 stays NaN: the null block
+    slots = (table[:, None] * block_size + torch.arange(block_size)).flatten()[:length]
+    for cache in (key_cache, value_cache):
+        cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(length, num_kv_heads, head_dim,
+                                                                    generator=gen).to(dtype)
+    query = torch.randn(length, heads, head_dim, generator=gen).to(dtype)
+    other = torch.randn(7, heads, head_dim, generator=gen).to(dtype)  # rows of an unrelated sequence
+
+    def attend(spans: list[tuple[int, int]]) -> torch.Tensor:
+        """The rows [start, end) of each span as one chunk of its own sequence, after a 7-token prefill of
+        another sequence over the same pages; the span rows of the output, in span order."""
+        rows = torch.cat([other, *(query[a:b] for a, b in spans)])
+        ends = torch.tensor([7, *(b for _, b in spans)], dtype=torch.int32)
+        starts = torch.tensor([0, 7, *(b - a for a, b in spans)], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        tables = table.to(torch.int32).expand(len(spans) + 1, pages)
+        return cpu_attention.paged_attention(rows, key_cache, value_cache, tables, starts, ends, SCALE)[7:]
+
+    whole = attend([(0, length)])
+    assert not whole.isnan().any()
+    assert torch.equal(attend([(p, p + 1) for p in range(length)]), whole)
+    assert torch.equal(attend([(0, 5), (5, 18), (18, length)]), whole)
+    seq_lens = torch.tensor([length], dtype=torch.int32)
+    expected = reference.paged_attention(query, key_cache, value_cache, table[None].to(torch.int32),
+                                         torch.tensor([0, length], dtype=torch.int32), seq_lens, SCALE)
+    torch.testing.assert_close(whole.float(), expected.float(), **tolerance(dtype))
 
 
 @pytest.mark.parametrize("backend", [reference, cpu_attention])

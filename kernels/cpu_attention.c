@@ -1,0 +1,221 @@
+/* Paged attention on the CPU, reading keys and values in place: decode tokens and prefill chunks alike.
+
+   A task is a run of consecutive query rows of one sequence, the first seeing `len` keys and each next one more
+   (a decode is a run of one). For each kv head, the group of query heads that share it walks the sequence's
+   blocks once per block for the whole run; per block and row, the scores of the tokens that row sees, one
+   rescale of its running output (online softmax, block by block), then the weighted values. Each row's sums are
+   taken in the same order whatever run it is in, so a token's output is the same bits whether it was decoded,
+   prefilled whole, prefilled in chunks or recomputed after a preemption or a worker's restart. Arithmetic in
+   float32 whatever the cache dtype (float32 or bfloat16); nothing is copied out of the cache. Built and loaded
+   by kernels/native.py; kernels/cpu_attention.py calls it.
+
+   Layouts (strides in elements): query and out [rows, heads, head_dim] with a row and a head stride, the
+   head_dim contiguous; caches [num_blocks, block_size, kv_heads, head_dim] contiguous; block tables int32
+   [num_seqs, table_row]; tasks int64 [n, 4]: first query row, sequence, keys its first row sees, rows.
+   head_dim and block_size are multiples of 8. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* Eight floats: one AVX register, two SSE ones. A key's score is eight partial sums over its head_dim (lane u
+   takes d = u mod 8), added in one tree for eight keys at once, with no horizontal sum per key. */
+typedef float vec8 __attribute__((vector_size(32)));
+typedef int32_t lanes8 __attribute__((vector_size(32)));
+#define LANES 8
+#ifdef __clang__
+#define PICK(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define PICK(a, b, ...) __builtin_shuffle(a, b, (lanes8){__VA_ARGS__})
+#endif
+
+/* x where `mask` is set, y elsewhere */
+INLINE vec8 blend(lanes8 mask, vec8 x, vec8 y) {
+    return (vec8)(((lanes8)x & mask) | ((lanes8)y & ~mask));
+}
+
+/* e^x for the scores less their running max (x <= 0), eight at a time without a call: Cephes' expf (x = n ln 2
+   + r, a degree-6 polynomial for e^r, 2^n put in the exponent bits); within 1 ulp of expf over every float in
+   [-87, 0]. Below -87 the result is clamped near 2^-126 where expf would give a subnormal: a weight of ~1e-38
+   beside the max's 1, invisible in the sum. Lanes past a block's tokens hold anything: clamped to [-87, 0]
+   too, so that no conversion overflows. */
+INLINE vec8 exp8_nonpositive(vec8 x) {
+    const vec8 low = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f}, zero = {0};
+    x = blend(x < low, low, x);
+    x = blend(x > zero, zero, x);
+    /* n = round(x log2 e) by adding and taking away 1.5 · 2^23 (round to nearest) */
+    const vec8 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const vec8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vec8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const vec8 e = p * r * r + r + 1.0f;
+    return e * (vec8)((__builtin_convertvector(n, lanes8) + 127) << 23);
+}
+
+INLINE vec8 load8(const float *p) {
+    vec8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* The scores of the LANES keys at k (rows `stride` apart) for the query q: key t's score is
+   ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)) of its partial sums p, whatever else is computed beside it. */
+INLINE vec8 scores8(const float *restrict q, const float *restrict k, int64_t stride, int64_t dim) {
+    vec8 p[LANES] = {0};
+    for (int64_t d = 0; d < dim; d += LANES) { /* eight keys' chains side by side */
+        const vec8 qd = load8(q + d);
+        for (int t = 0; t < LANES; t++) p[t] += qd * load8(k + t * stride + d);
+    }
+    vec8 x[4], y[2];
+    for (int i = 0; i < 4; i++) /* lanes: keys 2i, 2i+1 by pairs of partial sums */
+        x[i] = PICK(p[2 * i], p[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) + PICK(p[2 * i], p[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    for (int i = 0; i < 2; i++) /* keys 4i .. 4i+3 by quarters */
+        y[i] = PICK(x[2 * i], x[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) + PICK(x[2 * i], x[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return PICK(y[0], y[1], 0, 1, 2, 3, 8, 9, 10, 11) + PICK(y[0], y[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+/* Lanes [0, n) of x, `fill` in the others: a block's last lanes, past its tokens. */
+INLINE vec8 keep(vec8 x, int64_t n, vec8 fill) {
+    const lanes8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    return blend(lane < (int32_t)n, x, fill);
+}
+
+/* One block of `count` tokens for the `group` query heads qf [group, dim]: keys and values are rows `stride`
+   floats apart, readable in whole LANES of rows. Running max m, sum l and output acc [group, dim] are rescaled
+   once per block; a block's weights are summed in lanes, then in one tree. */
+INLINE void attend_block(const float *restrict qf, const float *restrict k, const float *restrict v, int64_t stride,
+                         int64_t count, int64_t group, int64_t dim, float *restrict s, float *restrict acc,
+                         float *restrict m, float *restrict l) {
+    const vec8 none = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    const vec8 zero = {0};
+    for (int64_t j = 0; j < group; j++) {
+        vec8 high = none;
+        for (int64_t t = 0; t < count; t += LANES) {
+            const vec8 part = keep(scores8(qf + j * dim, k + t * stride, stride, dim), count - t, none);
+            memcpy(s + t, &part, sizeof part);
+            high = blend(part > high, part, high);
+        }
+        float top = m[j];
+        for (int u = 0; u < LANES; u++) top = high[u] > top ? high[u] : top;
+        const float shrink = expf(m[j] - top); /* 0 at the first block: acc and l are 0 */
+        vec8 sums = zero;
+        for (int64_t t = 0; t < count; t += LANES) {
+            const vec8 e = keep(exp8_nonpositive(load8(s + t) - top), count - t, zero);
+            memcpy(s + t, &e, sizeof e);
+            sums += e;
+        }
+        m[j] = top;
+        l[j] = l[j] * shrink + (((sums[0] + sums[1]) + (sums[2] + sums[3])) + ((sums[4] + sums[5]) + (sums[6] + sums[7])));
+        /* the output eight vectors at a time, kept in registers over the block's tokens */
+        for (int64_t d = 0; d < dim; d += 8 * LANES) {
+            const int64_t width = dim - d < 8 * LANES ? (dim - d) / LANES : 8;
+            float *restrict a = acc + j * dim + d;
+            vec8 out[8];
+            for (int64_t i = 0; i < width; i++) out[i] = load8(a + i * LANES) * shrink;
+            for (int64_t t = 0; t < count; t++)
+                for (int64_t i = 0; i < width; i++) out[i] += s[t] * load8(v + t * stride + d + i * LANES);
+            memcpy(a, out, width * sizeof out[0]);
+        }
+    }
+}
+
+/* Ask for a block's keys and values before they are needed: the arithmetic of one block then hides the memory
+   latency of the next, which the hardware prefetcher does not foresee (blocks lie anywhere in the cache). */
+INLINE void prefetch(const char *p, int64_t bytes) {
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(p + at, 0, 3);
+}
+
+/* One task: `span` query rows from `row` on, the first seeing `len` keys of the sequence. Block by block, every kv
+   head in turn, so that a block's keys and values are read from memory once for the run (a token's heads sit
+   side by side). */
+INLINE void task(int dtype, const void *q, int64_t q_row, int64_t q_head, const void *kc, const void *vc, void *o,
+                 int64_t o_row, int64_t o_head, const int32_t *table, int64_t len, int64_t row, int64_t span,
+                 int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, float scale) {
+    const int64_t group = heads / kv_heads, token_stride = kv_heads * dim, width = heads * dim;
+    const int64_t last = len + span - 1; /* keys the run's last row sees */
+    /* bfloat16 keys and values are widened a block and a head at a time into kb / vb */
+    float qf[span * width], acc[span * width], sc[block_size], m[span * heads], l[span * heads];
+    float kb[dtype ? block_size * dim : 1], vb[dtype ? block_size * dim : 1];
+    for (int64_t r = 0; r < span; r++)
+        for (int64_t j = 0; j < heads; j++) {
+            const int64_t at = (row + r) * q_row + j * q_head;
+            float *qj = qf + r * width + j * dim;
+            for (int64_t d = 0; d < dim; d++)
+                qj[d] = (dtype ? from_bf16(((const uint16_t *)q)[at + d]) : ((const float *)q)[at + d]) * scale;
+            m[r * heads + j] = -INFINITY;
+            l[r * heads + j] = 0.0f;
+        }
+    memset(acc, 0, sizeof acc);
+    /* the next block is prefetched a share per kv head: all at once would stall on the line fill buffers */
+    const int64_t share = block_size * dim * (dtype ? 2 : 4), block_bytes = share * kv_heads;
+    for (int64_t start = 0; start < last; start += block_size) {
+        const int64_t count = last - start < block_size ? last - start : block_size;
+        const int64_t next = start + block_size < last ? (int64_t)table[start / block_size + 1] * block_bytes : -1;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            if (next >= 0) {
+                prefetch((const char *)kc + next + h * share, share);
+                prefetch((const char *)vc + next + h * share, share);
+            }
+            const int64_t first = (int64_t)table[start / block_size] * block_size * token_stride + h * dim;
+            const float *k = kb, *v = vb;
+            int64_t stride = dim;
+            if (dtype) {
+                for (int64_t t = 0; t < (count + LANES - 1) / LANES * LANES; t++)
+                    for (int64_t d = 0; d < dim; d++) {
+                        kb[t * dim + d] = from_bf16(((const uint16_t *)kc)[first + t * token_stride + d]);
+                        vb[t * dim + d] = from_bf16(((const uint16_t *)vc)[first + t * token_stride + d]);
+                    }
+            } else {
+                k = (const float *)kc + first, v = (const float *)vc + first, stride = token_stride;
+            }
+            for (int64_t r = 0; r < span; r++) {
+                const int64_t seen = len + r - start; /* the block's tokens row r sees */
+                if (seen <= 0) continue;
+                const int64_t at = r * heads + h * group;
+                attend_block(qf + at * dim, k, v, stride, seen < block_size ? seen : block_size, group, dim, sc,
+                             acc + at * dim, m + at, l + at);
+            }
+        }
+    }
+    for (int64_t r = 0; r < span; r++)
+        for (int64_t j = 0; j < heads; j++) {
+            const int64_t at = (row + r) * o_row + j * o_head;
+            const float inv = 1.0f / l[r * heads + j], *a = acc + r * width + j * dim;
+            for (int64_t d = 0; d < dim; d++) {
+                if (dtype)
+                    ((uint16_t *)o)[at + d] = to_bf16(a[d] * inv);
+                else
+                    ((float *)o)[at + d] = a[d] * inv;
+            }
+        }
+}
+
+/* dtype: 0 float32, 1 bfloat16 (query, caches and out alike). Returns 0, or -1 for an unknown dtype. */
+int paged_attention(int dtype, const void *q, int64_t q_row, int64_t q_head, const void *kc, const void *vc, void *o,
+                    int64_t o_row, int64_t o_head, const int32_t *tables, int64_t table_row, const int64_t *tasks,
+                    int64_t n, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, float scale,
+                    int threads) {
+    if (dtype != 0 && dtype != 1) return -1;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if(threads > 1)
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t *t = tasks + 4 * i;
+        const int32_t *table = tables + t[1] * table_row;
+        /* the common head sizes as constants, so that the compiler unrolls the loops over them */
+#define TASK(DIM) task(dtype, q, q_row, q_head, kc, vc, o, o_row, o_head, table, t[2], t[0], t[3], heads, kv_heads, \
+                       DIM, block_size, scale)
+        if (dim == 64)
+            TASK(64);
+        else if (dim == 128)
+            TASK(128);
+        else
+            TASK(dim);
+#undef TASK
+    }
+    return 0;
+}
