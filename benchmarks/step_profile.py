@@ -152,7 +152,8 @@ def profile_prefill(model_dir: Path, dtype: str, backend: str, length: int, repe
     forget = worker.execute  # not timed: the instrumented `execute` is the prefill's
 
     def prefill(seq: int) -> None:
-        worker.execute(StepPlan(wid, 0, next(step_ids), new_sequences=[NewSequence(seq, str(seq), 0, prompt, [], params)],
+        worker.execute(StepPlan(wid, 0, next(step_ids),
+                                new_sequences=[NewSequence(seq, str(seq), 0, prompt, [], params)],
                                 scheduled=[ScheduledSequence(seq, 0, length, new_block_ids=blocks)]))
         forget(StepPlan(wid, 0, next(step_ids), finished=[seq]))
 

@@ -2,8 +2,8 @@
 
    A task is a run of consecutive query rows of one sequence, the first seeing `len` keys and each next one more
    (a decode is a run of one). For each kv head, the group of query heads that share it walks the sequence's
-   blocks once per block for the whole run; per block and row, the scores of the tokens that row sees, one
-   rescale of its running output (online softmax, block by block), then the weighted values. Each row's sums are
+   blocks once for the whole run; per block and row, the scores of the tokens that row sees (eight at a time),
+   one rescale of its running output (online softmax, block by block), then the weighted values. Each row's sums are
    taken in the same order whatever run it is in, so a token's output is the same bits whether it was decoded,
    prefilled whole, prefilled in chunks or recomputed after a preemption or a worker's restart. Arithmetic in
    float32 whatever the cache dtype (float32 or bfloat16); nothing is copied out of the cache. Built and loaded
@@ -16,6 +16,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __FMA__
+#include <immintrin.h>
+#endif
 
 #include "bf16.h"
 
@@ -31,6 +34,20 @@ typedef int32_t lanes8 __attribute__((vector_size(32)));
 #else
 #define PICK(a, b, ...) __builtin_shuffle(a, b, (lanes8){__VA_ARGS__})
 #endif
+
+/* a * b + c, rounded once where the CPU has fused multiply-adds. Written out, so that a row's bits do not
+   depend on where the compiler chose to fuse a product and a sum (it may, differently, in a loop's first pass). */
+INLINE vec8 fma8(vec8 a, vec8 b, vec8 c) {
+#if defined(__FMA__) && defined(__AVX__)
+    return (vec8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
+INLINE vec8 splat(float x) {
+    return (vec8){x, x, x, x, x, x, x, x};
+}
 
 /* x where `mask` is set, y elsewhere */
 INLINE vec8 blend(lanes8 mask, vec8 x, vec8 y) {
@@ -70,13 +87,15 @@ INLINE vec8 scores8(const float *restrict q, const float *restrict k, int64_t st
     vec8 p[LANES] = {0};
     for (int64_t d = 0; d < dim; d += LANES) { /* eight keys' chains side by side */
         const vec8 qd = load8(q + d);
-        for (int t = 0; t < LANES; t++) p[t] += qd * load8(k + t * stride + d);
+        for (int t = 0; t < LANES; t++) p[t] = fma8(qd, load8(k + t * stride + d), p[t]);
     }
     vec8 x[4], y[2];
     for (int i = 0; i < 4; i++) /* lanes: keys 2i, 2i+1 by pairs of partial sums */
-        x[i] = PICK(p[2 * i], p[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) + PICK(p[2 * i], p[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+        x[i] = PICK(p[2 * i], p[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+               PICK(p[2 * i], p[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
     for (int i = 0; i < 2; i++) /* keys 4i .. 4i+3 by quarters */
-        y[i] = PICK(x[2 * i], x[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) + PICK(x[2 * i], x[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+        y[i] = PICK(x[2 * i], x[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               PICK(x[2 * i], x[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
     return PICK(y[0], y[1], 0, 1, 2, 3, 8, 9, 10, 11) + PICK(y[0], y[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
@@ -111,7 +130,8 @@ INLINE void attend_block(const float *restrict qf, const float *restrict k, cons
             sums += e;
         }
         m[j] = top;
-        l[j] = l[j] * shrink + (((sums[0] + sums[1]) + (sums[2] + sums[3])) + ((sums[4] + sums[5]) + (sums[6] + sums[7])));
+        l[j] = l[j] * shrink + (((sums[0] + sums[1]) + (sums[2] + sums[3])) +
+                                ((sums[4] + sums[5]) + (sums[6] + sums[7])));
         /* the output eight vectors at a time, kept in registers over the block's tokens */
         for (int64_t d = 0; d < dim; d += 8 * LANES) {
             const int64_t width = dim - d < 8 * LANES ? (dim - d) / LANES : 8;
@@ -119,7 +139,8 @@ INLINE void attend_block(const float *restrict qf, const float *restrict k, cons
             vec8 out[8];
             for (int64_t i = 0; i < width; i++) out[i] = load8(a + i * LANES) * shrink;
             for (int64_t t = 0; t < count; t++)
-                for (int64_t i = 0; i < width; i++) out[i] += s[t] * load8(v + t * stride + d + i * LANES);
+                for (int64_t i = 0; i < width; i++)
+                    out[i] = fma8(splat(s[t]), load8(v + t * stride + d + i * LANES), out[i]);
             memcpy(a, out, width * sizeof out[0]);
         }
     }

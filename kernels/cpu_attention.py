@@ -7,10 +7,11 @@ blocks in place with an online softmax, a run of a chunk's query rows per block,
 value once per run where gathering copies them twice; and it sums each row's attention in the same order
 whether the row is a decode or part of a prefill chunk of any size, so a token's attention does not depend
 on chunking, batching or a recompute after preemption or a worker's restart. Without a C compiler (or for a
-float16 cache, or a head or block size that is not a multiple of 8) decode rows attend in length-sorted groups instead: per group one index_select of whole
-blocks for K and one for V, one matmul for the scores of all heads, a softmax in float32 and one matmul for
-the output, in the cache dtype as transformers' eager attention; and multi-query chunks go through torch's
-fused CPU scaled_dot_product_attention in float32, causal with the context as offset.
+float16 cache, or a head or block size that is not a multiple of 8) decode rows attend in length-sorted
+groups instead: per group one index_select of whole blocks for K and one for V, one matmul for the scores of
+all heads, a softmax in float32 and one matmul for the output, in the cache dtype as transformers' eager
+attention; and multi-query chunks go through torch's fused CPU scaled_dot_product_attention in float32,
+causal with the context as offset.
 
 Same semantics and signatures as the reference; `step_attention` is the per-step entry the model uses.
 """
