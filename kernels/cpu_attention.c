@@ -105,6 +105,17 @@ INLINE vec8 keep(vec8 x, int64_t n, vec8 fill) {
     return blend(lane < (int32_t)n, x, fill);
 }
 
+/* a = a * shrink + the values v (rows `stride` apart) weighted by w, token by token, over `width` vectors of a
+   (a constant where inlined, so that they stay in registers) */
+INLINE void weigh_values(float *restrict a, float shrink, const float *restrict w, const float *restrict v,
+                         int64_t stride, int64_t count, const int width) {
+    vec8 out[8];
+    for (int i = 0; i < width; i++) out[i] = load8(a + i * LANES) * shrink;
+    for (int64_t t = 0; t < count; t++)
+        for (int i = 0; i < width; i++) out[i] = fma8(splat(w[t]), load8(v + t * stride + i * LANES), out[i]);
+    for (int i = 0; i < width; i++) memcpy(a + i * LANES, &out[i], sizeof out[i]);
+}
+
 /* One block of `count` tokens for the `group` query heads qf [group, dim]: keys and values are rows `stride`
    floats apart, readable in whole LANES of rows. Running max m, sum l and output acc [group, dim] are rescaled
    once per block; a block's weights are summed in lanes, then in one tree. */
@@ -122,7 +133,8 @@ INLINE void attend_block(const float *restrict qf, const float *restrict k, cons
         }
         float top = m[j];
         for (int u = 0; u < LANES; u++) top = high[u] > top ? high[u] : top;
-        const float shrink = expf(m[j] - top); /* 0 at the first block: acc and l are 0 */
+        /* ~1e-38 at the first block (m is -inf), where acc and l are 0 */
+        const float shrink = exp8_nonpositive(splat(m[j] - top))[0];
         vec8 sums = zero;
         for (int64_t t = 0; t < count; t += LANES) {
             const vec8 e = keep(exp8_nonpositive(load8(s + t) - top), count - t, zero);
@@ -132,17 +144,11 @@ INLINE void attend_block(const float *restrict qf, const float *restrict k, cons
         m[j] = top;
         l[j] = l[j] * shrink + (((sums[0] + sums[1]) + (sums[2] + sums[3])) +
                                 ((sums[4] + sums[5]) + (sums[6] + sums[7])));
-        /* the output eight vectors at a time, kept in registers over the block's tokens */
-        for (int64_t d = 0; d < dim; d += 8 * LANES) {
-            const int64_t width = dim - d < 8 * LANES ? (dim - d) / LANES : 8;
-            float *restrict a = acc + j * dim + d;
-            vec8 out[8];
-            for (int64_t i = 0; i < width; i++) out[i] = load8(a + i * LANES) * shrink;
-            for (int64_t t = 0; t < count; t++)
-                for (int64_t i = 0; i < width; i++)
-                    out[i] = fma8(splat(s[t]), load8(v + t * stride + d + i * LANES), out[i]);
-            memcpy(a, out, width * sizeof out[0]);
-        }
+        /* the output eight vectors at a time (a head_dim's tail one at a time), in registers over the block */
+        int64_t d = 0;
+        for (; d + 8 * LANES <= dim; d += 8 * LANES)
+            weigh_values(acc + j * dim + d, shrink, s, v + d, stride, count, 8);
+        for (; d < dim; d += LANES) weigh_values(acc + j * dim + d, shrink, s, v + d, stride, count, 1);
     }
 }
 
