@@ -91,20 +91,37 @@ def phases(clock: Clock, steps: int) -> dict[str, float]:
     return ms
 
 
+BLOCK = 16
+
+
+def _load_worker(model_dir: Path, dtype: str, backend: str, num_blocks: int) -> Any:
+    from gpu_worker.worker import Worker
+    from shared.settings import Settings
+
+    settings = Settings(model=str(model_dir), dtype=dtype, attention_backend=backend, block_size=BLOCK,
+                        num_blocks=num_blocks, swap_space_bytes=0, max_num_batched_tokens=1 << 20)
+    return Worker.load(settings, progress=False)
+
+
+def _timed(worker: Any, step: Callable[[], None], steps: int, wall: bool) -> dict[str, float]:
+    """ms per step of each phase over `steps` calls of `step`, after one untimed."""
+    step()  # warm-up
+    clock = Clock(time.perf_counter) if wall else Clock()
+    instrument(worker, clock)
+    for _ in range(steps):
+        step()
+    return phases(clock, steps)
+
+
 def profile_worker(model_dir: Path, dtype: str, backend: str, batch: int, context: int, steps: int,
                    wall: bool = False) -> dict[str, float]:
     import torch
 
-    from gpu_worker.worker import Worker
     from shared.protocol import NewSequence, ScheduledSequence, StepPlan
     from shared.sampling import SamplingParams
-    from shared.settings import Settings
 
-    block = 16
-    per_seq = math.ceil((context + steps + 2) / block)
-    settings = Settings(model=str(model_dir), dtype=dtype, attention_backend=backend, block_size=block,
-                        num_blocks=batch * per_seq + 1, swap_space_bytes=0, max_num_batched_tokens=1 << 20)
-    worker = Worker.load(settings, progress=False)
+    per_seq = math.ceil((context + steps + 2) / BLOCK)
+    worker = _load_worker(model_dir, dtype, backend, batch * per_seq + 1)
     wid = worker.registration.worker_id
     params = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
     gen = torch.Generator().manual_seed(batch)
@@ -123,85 +140,65 @@ def profile_worker(model_dir: Path, dtype: str, backend: str, batch: int, contex
         ScheduledSequence(i, 0, context, new_block_ids=list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)))
         for i in range(batch)]))
     lengths = [n + 1 for n in lengths]
-    decode()  # warm-up
-    clock = Clock(time.perf_counter) if wall else Clock()
-    instrument(worker, clock)
-    for _ in range(steps):
-        decode()
-    return phases(clock, steps)
+    return _timed(worker, decode, steps, wall)
 
 
 def profile_prefill(model_dir: Path, dtype: str, backend: str, length: int, repeats: int,
                     wall: bool = False) -> dict[str, float]:
     import torch
 
-    from gpu_worker.worker import Worker
     from shared.protocol import NewSequence, ScheduledSequence, StepPlan
     from shared.sampling import SamplingParams
-    from shared.settings import Settings
 
-    block = 16
-    blocks = list(range(1, 1 + math.ceil((length + 1) / block)))
-    settings = Settings(model=str(model_dir), dtype=dtype, attention_backend=backend, block_size=block,
-                        num_blocks=len(blocks) + 1, swap_space_bytes=0, max_num_batched_tokens=1 << 20)
-    worker = Worker.load(settings, progress=False)
+    blocks = list(range(1, 1 + math.ceil((length + 1) / BLOCK)))
+    worker = _load_worker(model_dir, dtype, backend, len(blocks) + 1)
     wid = worker.registration.worker_id
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     prompt = torch.randint(3, worker.vocab_size, (length,), generator=torch.Generator().manual_seed(length)).tolist()
-    step_ids = iter(range(1 << 30))
+    step_ids, seqs = iter(range(1 << 30)), iter(range(1 << 30))
     forget = worker.execute  # not timed: the instrumented `execute` is the prefill's
 
-    def prefill(seq: int) -> None:
+    def prefill() -> None:
+        seq = next(seqs)
         worker.execute(StepPlan(wid, 0, next(step_ids),
                                 new_sequences=[NewSequence(seq, str(seq), 0, prompt, [], params)],
                                 scheduled=[ScheduledSequence(seq, 0, length, new_block_ids=blocks)]))
         forget(StepPlan(wid, 0, next(step_ids), finished=[seq]))
 
-    prefill(0)  # warm-up
-    clock = Clock(time.perf_counter) if wall else Clock()
-    instrument(worker, clock)
-    for seq in range(1, repeats + 1):
-        prefill(seq)
-    return phases(clock, repeats)
+    return _timed(worker, prefill, repeats, wall)
 
 
-def prefill_part(args: argparse.Namespace, models: dict[str, Path]) -> None:
+def _phase_table(args: argparse.Namespace, models: dict[str, Path], sizes: str, size: str, title: str,
+                 profile: Callable[[Path, str, str, int], dict[str, float]]) -> None:
+    """`profile(model_dir, dtype, backend, n)` for every model, dtype, backend and n in `sizes`, as one table whose
+    `size` column is n, with tokens per second as n tokens per total."""
     rows = []
     for name, model_dir in models.items():
         for dtype in args.dtypes.split(","):
             for backend in args.backends.split(","):
-                for length in (int(n) for n in args.prompts.split(",")):
-                    ms = profile_prefill(model_dir, dtype, backend, length, args.steps, args.wall)
-                    rows.append((name, dtype, backend, length, ms))
-                    say(f"{name} {dtype} {backend} prompt {length}: {ms['total']:.1f} ms")
-    print(f"\nWorker alone: one sequence's prompt prefilled in one step, mean of {args.steps}, {args.threads} torch "
-          f"thread(s); {'wall' if args.wall else 'CPU'} ms per prefill\n")
-    print("| model | dtype | backend | prompt | " + " | ".join(PHASES) + " | total | prompt tok/s |")
+                for n in (int(x) for x in sizes.split(",")):
+                    ms = profile(model_dir, dtype, backend, n)
+                    rows.append((name, dtype, backend, n, ms))
+                    say(f"{name} {dtype} {backend} {size}={n}: {ms['total']:.2f} ms, "
+                        f"{1000 * n / ms['total']:.0f} tok/s")
+    print(f"\n{title}, {args.threads} torch thread(s); {'wall' if args.wall else 'CPU'} ms per step\n")
+    print(f"| model | dtype | backend | {size} | " + " | ".join(PHASES) + " | total | tok/s |")
     print("|---|---|---|---:|" + "---:|" * (len(PHASES) + 2))
-    for name, dtype, backend, length, ms in rows:
-        cells = " | ".join(f"{ms[p]:.1f}" for p in PHASES)
-        print(f"| {name} | {dtype} | {backend} | {length} | {cells} | {ms['total']:.1f} | "
-              f"{1000 * length / ms['total']:,.0f} |")
+    for name, dtype, backend, n, ms in rows:
+        cells = " | ".join(f"{ms[p]:.2f}" for p in PHASES)
+        print(f"| {name} | {dtype} | {backend} | {n} | {cells} | {ms['total']:.2f} | {1000 * n / ms['total']:,.0f} |")
 
 
 def worker_part(args: argparse.Namespace, models: dict[str, Path]) -> None:
-    rows = []
-    for name, model_dir in models.items():
-        for dtype in args.dtypes.split(","):
-            for backend in args.backends.split(","):
-                for batch in (int(b) for b in args.batches.split(",")):
-                    ms = profile_worker(model_dir, dtype, backend, batch, args.context, args.steps, args.wall)
-                    rows.append((name, dtype, backend, batch, ms))
-                    say(f"{name} {dtype} {backend} B={batch}: {ms['total']:.2f} ms/step, "
-                        f"{1000 * batch / ms['total']:.0f} tok/s")
-    print(f"\nWorker alone: decode steps of B sequences at context {args.context}, {args.steps} steps, "
-          f"{args.threads} torch thread(s); {'wall' if args.wall else 'CPU'} ms per step\n")
-    print("| model | dtype | backend | B | " + " | ".join(PHASES) + " | total | tok/s |")
-    print("|---|---|---|---:|" + "---:|" * (len(PHASES) + 2))
-    for name, dtype, backend, batch, ms in rows:
-        cells = " | ".join(f"{ms[p]:.2f}" for p in PHASES)
-        print(f"| {name} | {dtype} | {backend} | {batch} | {cells} | {ms['total']:.2f} | "
-              f"{1000 * batch / ms['total']:,.0f} |")
+    _phase_table(args, models, args.batches, "B",
+                 f"Worker alone: decode steps of B sequences at context {args.context}, {args.steps} steps",
+                 lambda m, d, b, n: profile_worker(m, d, b, n, args.context, args.steps, args.wall))
+
+
+def prefill_part(args: argparse.Namespace, models: dict[str, Path]) -> None:
+    _phase_table(args, models, args.prompts, "prompt",
+                 f"Worker alone: one sequence's prompt prefilled in one step, mean of {args.steps}",
+                 lambda m, d, b, n: profile_prefill(m, d, b, n, args.steps, args.wall))
 
 
 def _process_name(pid: int) -> str:

@@ -284,7 +284,7 @@ def test_a_tokens_attention_is_the_same_bits_decoded_prefilled_whole_or_in_chunk
         cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(length, num_kv_heads, head_dim,
                                                                     generator=gen).to(dtype)
     query = torch.randn(length, heads, head_dim, generator=gen).to(dtype)
-    other = torch.randn(7, heads, head_dim, generator=gen).to(dtype)  # rows of an unrelated sequence
+    other = torch.randn(7, heads, head_dim, generator=gen).to(dtype)  # another sequence's rows, on the same pages
 
     def attend(spans: list[tuple[int, int]]) -> torch.Tensor:
         """The rows [start, end) of each span as one chunk of its own sequence, after a 7-token prefill of
