@@ -47,9 +47,7 @@ class ModelRunner:
         self.model = load_model(model_dir, config, self.max_model_len, self.device, self.dtype, progress)
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             packed_linear.pack_linears(self.model)
-            if not packed_linear.native_bfloat16():
-                log.info("this CPU has no native bfloat16: linears multiply the bfloat16 weights in float32 (several "
-                         "times faster than torch's bfloat16 fallback)")
+            log.info("bfloat16 linears: %s", packed_linear.KINDS[packed_linear.linear_kind()])
         layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         self.cache_shape = CacheShape(len(layers), layers[0].num_kv_heads, layers[0].head_dim, self.block_size,
                                       self.dtype)

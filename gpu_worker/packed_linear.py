@@ -1,22 +1,24 @@
-"""bfloat16 linears on the CPU: weights packed once for oneDNN where the CPU multiplies bfloat16 natively, and
-computed in float32 where it does not.
+"""bfloat16 linears on the CPU, their weights packed once at load: by kernels/cpu_linear.c where it can, a row's
+outputs then the same bits whatever the batch.
 
-torch's bfloat16 `F.linear` on the CPU hands the weight to oneDNN, which reorders it into its blocked
-layout on each call: for a decode step that reads a weight once, that doubles the memory traffic. Packed
-once at load (`torch.ops.mkldnn._reorder_linear_weight`, what Inductor's CPU freezing does), the same
-matmul ran 1.1× (prefill) to 2.8× (one token, 768 → 4096) faster here, with bit-identical results. float32
-stays on MKL's sgemm: packed, its sums come out in another order.
-
-oneDNN packs bfloat16 only on CPUs with native bfloat16 (AVX-512 BF16, AMX, AVX-NE-CONVERT). On others
-(AVX2 alone) torch's bfloat16 matmul is a slow fallback: 64 tokens through 768 → 3072 took 32 ms against
-6.7 ms for float32 there. So there a linear keeps its bfloat16 weights, packed into panels once, and
-kernels/cpu_linear.c multiplies them in float32, widening them in registers and rounding its output to bfloat16
-once, as a bfloat16 matmul with float32 accumulation does. It reads half the bytes of a float32 copy and was
-faster than MKL on one at every size measured (1-64 tokens: 0.13-0.9× MKL's time, RESULTS.md), and each output's
-sum has one order whatever the batch. Without a C compiler the weights are widened `CHUNK_ROWS` rows at a time
-for MKL (the worker keeps freed memory in its heap, so the chunks cost no page faults).
+`linear_kind()` says which way this process takes:
+- "amx": cpu_linear.c with AMX tiles (Sapphire Rapids and later). The same products and sums as oneDNN's AMX
+  matmul at one row, but in one order at any batch; oneDNN changes its order with the number of rows, so a
+  sequence's bfloat16 tokens changed with the sequences beside it and when a restarted worker recomputed its
+  prefix. Up to 16 rows it also takes 0.2-0.85× oneDNN's time (no per-call overhead of ~40 µs), about the
+  same at 64, up to 1.7× at hundreds (prefill chunks); RESULTS.md.
+- "onednn": torch's oneDNN matmul, on CPUs with native bfloat16 but no AMX (AVX-512 BF16), or without a C
+  compiler. Packed once (`torch.ops.mkldnn._reorder_linear_weight`, what Inductor's CPU freezing does): unpacked,
+  oneDNN reorders the weight on every call, doubling a decode step's memory traffic.
+- "fma": cpu_linear.c in float32 fused multiply-adds, widening bfloat16 weights in registers, on CPUs without
+  native bfloat16 (AVX2 alone), where torch's bfloat16 matmul is a slow fallback (64 tokens through 768 → 3072:
+  32 ms against 6.7 ms in float32). Faster than MKL on a float32 copy at every size measured, at half the bytes.
+- "chunks": no compiler and no native bfloat16: the weights widened `CHUNK_ROWS` rows at a time for MKL (the
+  worker keeps freed memory in its heap, so the chunks cost no page faults).
 """
 from __future__ import annotations
+
+import ctypes
 
 import torch
 import torch.nn.functional as F
@@ -25,9 +27,16 @@ from torch import nn
 from kernels import native
 
 CHUNK_ROWS = 256  # the fallback's float32 chunk: 768 KiB at 768 inputs, in cache
+KINDS = {"amx": "AMX tiles (kernels/cpu_linear.c), a row's outputs the same whatever the batch",
+         "onednn": "oneDNN's bfloat16 matmul, weights packed once",
+         "fma": "bfloat16 weights widened to float32 in registers (kernels/cpu_linear.c), a row's outputs the same "
+                "whatever the batch",
+         "chunks": "float32 chunks for MKL (no C compiler and no native bfloat16)"}
 
 
 class PackedLinear(nn.Module):
+    """A bfloat16 linear through oneDNN, its weight reordered once."""
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -38,45 +47,55 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 
 
-class WidenedLinear(nn.Module):
-    """A bfloat16 linear multiplied in float32 (for CPUs without native bfloat16)."""
+class NativeLinear(nn.Module):
+    """A bfloat16 linear through kernels/cpu_linear.c, with AMX tiles (`amx`) or float32 fused multiply-adds."""
+
+    def __init__(self, linear: nn.Linear, kernel: ctypes.CDLL, amx: bool) -> None:
+        super().__init__()
+        self.in_features, self.out_features = k, n = linear.in_features, linear.out_features
+        self.kernel, self.amx = kernel, int(amx)
+        weight = linear.weight.detach().to(torch.bfloat16).contiguous()
+        self.packed = torch.empty(kernel.bf16_packed_size(n, k, self.amx), dtype=torch.bfloat16)
+        kernel.bf16_pack(weight.data_ptr(), n, k, self.packed.data_ptr(), self.amx)
+        self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).contiguous()
+        self._weights = (self.packed.data_ptr(), None if self.bias is None else self.bias.data_ptr())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # a decode step calls this ~17-60 times: the kernel takes microseconds, so the Python around it is lean
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != torch.bfloat16:
+            rows = rows.to(torch.bfloat16)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        m = rows.shape[0]
+        out = torch.empty(m, self.out_features, dtype=torch.bfloat16)
+        code = self.kernel.bf16_linear(rows.data_ptr(), rows.stride(0), *self._weights, out.data_ptr(), m,
+                                       self.out_features, self.in_features, torch.get_num_threads(), self.amx)
+        if code:
+            raise MemoryError(f"cpu_linear.c could not allocate the copy of {m} × {self.in_features} inputs") \
+                if code == -1 else RuntimeError("cpu_linear.c: AMX tiles asked for and not granted")
+        out = out.view(*x.shape[:-1], self.out_features)
+        return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
+
+
+class ChunkedLinear(nn.Module):
+    """A bfloat16 linear multiplied in float32 by MKL, its weight widened a chunk at a time (no C compiler, no
+    native bfloat16)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()
-        self.kernel = native.load() if weight.dtype == torch.bfloat16 else None
-        self.weight = weight.contiguous() if self.kernel is None else panels(weight, self.kernel.bf16_panel_width())
+        self.weight = linear.weight.detach().contiguous()
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        m, n, k = rows.shape[0], self.out_features, self.in_features
-        if self.kernel is not None:
-            rows = rows.to(torch.bfloat16)
-            rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-            out = torch.empty(m, n, dtype=torch.bfloat16)
-            code = self.kernel.bf16_linear(rows.data_ptr(), rows.stride(0), self.weight.data_ptr(),
-                                           None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), m, n,
-                                           k, torch.get_num_threads())
-            if code:
-                raise MemoryError(f"cpu_linear.c could not allocate {m} × {k} floats")
-            out = out.to(x.dtype)
-        else:
-            wide, out32 = rows.float(), torch.empty(m, n)
-            for n0 in range(0, n, CHUNK_ROWS):
-                n1 = min(n, n0 + CHUNK_ROWS)
-                bias = None if self.bias is None else self.bias[n0:n1].float()
-                out32[:, n0:n1] = F.linear(wide, self.weight[n0:n1].float(), bias)
-            out = out32.to(x.dtype)
-        return out.view(*x.shape[:-1], n)
-
-
-def panels(weight: torch.Tensor, width: int) -> torch.Tensor:
-    """`weight` [n, k] as kernels/cpu_linear.c reads it: [ceil(n / width), k, width], the last panel padded with
-    zeros."""
-    padded = F.pad(weight, (0, 0, 0, -weight.shape[0] % width))
-    return padded.view(-1, width, weight.shape[1]).transpose(1, 2).contiguous()
+        wide, n = x.reshape(-1, self.in_features).float(), self.out_features
+        out = torch.empty(wide.shape[0], n)
+        for n0 in range(0, n, CHUNK_ROWS):
+            n1 = min(n, n0 + CHUNK_ROWS)
+            bias = None if self.bias is None else self.bias[n0:n1].float()
+            out[:, n0:n1] = F.linear(wide, self.weight[n0:n1].float(), bias)
+        return out.to(x.dtype).view(*x.shape[:-1], n)
 
 
 def native_bfloat16() -> bool:
@@ -84,10 +103,30 @@ def native_bfloat16() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def linear_kind() -> str:
+    """How this process multiplies bfloat16 linears: "amx", "onednn", "fma" or "chunks" (the module's docstring)."""
+    kernel = native.load()
+    if kernel is not None and kernel.bf16_amx():
+        return "amx"
+    if native_bfloat16():
+        return "onednn"
+    return "chunks" if kernel is None else "fma"
+
+
+def batch_invariant() -> bool:
+    """Whether a row's bfloat16 linear outputs here are the same bits whatever the rows beside it."""
+    return linear_kind() in ("amx", "fma")
+
+
 def pack_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear of `model` (loaded, bfloat16, on the CPU) by its packed twin, or by its widened one
-    where oneDNN cannot pack bfloat16; how many."""
-    twin = PackedLinear if native_bfloat16() else WidenedLinear
+    """Replace every nn.Linear of `model` (loaded, bfloat16, on the CPU) by its packed twin; how many."""
+    kind = linear_kind()
+
+    def twin(linear: nn.Linear) -> nn.Module:
+        if kind in ("amx", "fma"):
+            return NativeLinear(linear, native.load(), amx=kind == "amx")
+        return PackedLinear(linear) if kind == "onednn" else ChunkedLinear(linear)
+
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     for name, module in targets:
         parent, _, attr = name.rpartition(".")

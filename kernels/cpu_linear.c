@@ -1,19 +1,22 @@
-/* bfloat16 linears on CPUs without native bfloat16: out = x w^T + bias, reading the bfloat16 weights and widening
-   them in registers. Built and loaded by kernels/native.py; gpu_worker/packed_linear.py calls it.
+/* bfloat16 linears on the CPU: out = x w^T + bias, each output one float32 sum over the input columns in one order
+   whatever the batch, the bias added in float32 and the result rounded to bfloat16 once, as a bfloat16 matmul with
+   float32 accumulation does. Built and loaded by kernels/native.py; gpu_worker/packed_linear.py calls it.
 
-   The weight is packed once into panels of PANEL output columns: panel p holds w[p*PANEL : (p+1)*PANEL, :]
-   transposed, [k][PANEL] bfloat16 (the last panel padded with zeros), so that a panel is read in order, one row
-   of PANEL weights per input column. A tile of up to ROWS input rows × PANEL outputs keeps its sums in
-   registers: per input column, the panel's row widened once and one broadcast per input row.
+   Why not oneDNN's bfloat16 matmul: its sums take an order that depends on the number of rows, so a sequence's
+   bfloat16 tokens changed with the sequences beside it and when a restarted worker recomputed its prefix; and
+   where the CPU has no native bfloat16, torch falls back to a slow path.
 
-   Each output is one float32 sum over the input columns in order, the bias added in float32 and the result
-   rounded to bfloat16 once: what a bfloat16 matmul with float32 accumulation gives, up to the order of the sums.
-   That order is the same whatever the number of rows and wherever a row falls in a tile, so a sequence's
-   outputs do not depend on the batch it is in (through float32 copies and MKL they did: bfloat16 greedy tokens
-   changed with the sequences beside them).
+   Two ways, chosen once per process (`bf16_amx`), with a weight layout each, packed here (`bf16_pack`):
+   - AMX tiles, where the CPU has them (Sapphire Rapids and later) and the kernel lets this process use them.
+     The weight in panels of 16 output columns, each [k / 2][16][2] (the pairs of input columns that
+     `tdpbf16ps` multiplies together), k padded with zeros to a multiple of 32; a tile of 16 input rows × 32 input
+     columns against a panel's 16 × 32 adds into 16 × 16 float32 sums, 32 columns at a time in order. An
+     output's sums depend only on its row and column, whatever tile row or batch they are in.
+   - Elsewhere, fused multiply-adds in float32: the weight in panels of PANEL output columns, [k][PANEL], each
+     row widened in registers; a tile of up to ROWS input rows × PANEL outputs keeps its sums in registers.
 
-   Layouts: x [m, k] bfloat16 with a row stride; panels [ceil(n / PANEL), k, PANEL] bfloat16; bias [n] bfloat16
-   or NULL; out [m, n] bfloat16 contiguous. */
+   Layouts: x [m, k] bfloat16 with a row stride; w [n, k] bfloat16 contiguous (to pack); bias [n] bfloat16 or
+   NULL; out [m, n] bfloat16 contiguous. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,14 +26,24 @@
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
 
-#define PANEL 16 /* output columns per panel: two vectors of 8 */
+#define PANEL 16 /* output columns per panel: two vectors of 8, or one tile's columns */
 #define ROWS 6   /* input rows per tile: 12 accumulators, 2 widened weight vectors and a broadcast in 16 registers */
+#define TILE_K 32 /* input columns per AMX tile row: 64 bytes of bfloat16 */
 #define INLINE static inline __attribute__((always_inline))
+
+static int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
+
+/* ---- fused multiply-adds in float32 ---- */
 
 INLINE v8f widen8(const uint16_t *p) {
 #ifdef __AVX2__ /* one vpmovzxwd from memory, where gcc's generic widening splits it in halves */
@@ -66,13 +79,8 @@ INLINE void tile(const float *restrict xf, int64_t k, const uint16_t *restrict p
     }
 }
 
-/* The panel width, for the packing (gpu_worker/packed_linear.py). */
-int64_t bf16_panel_width(void) { return PANEL; }
-
-/* Returns 0, or -1 when the widened input cannot be allocated. */
-int bf16_linear(const uint16_t *x, int64_t x_row, const uint16_t *panels, const uint16_t *bias, uint16_t *out,
-                int64_t m, int64_t n, int64_t k, int threads) {
-    if (m <= 0 || n <= 0) return 0;
+static int fma_linear(const uint16_t *x, int64_t x_row, const uint16_t *panels, const uint16_t *bias, uint16_t *out,
+                      int64_t m, int64_t n, int64_t k, int threads) {
     float *xf = malloc((size_t)(m * k + 1) * sizeof *xf); /* + 1: never malloc(0), which may give NULL */
     if (!xf) return -1;
     for (int64_t i = 0; i < m; i++)
@@ -95,4 +103,205 @@ int bf16_linear(const uint16_t *x, int64_t x_row, const uint16_t *panels, const 
     }
     free(xf);
     return 0;
+}
+
+/* ---- AMX tiles ---- */
+
+#ifdef HAVE_AMX
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Linux hands out the AMX state only to a process that asks for it (arch_prctl ARCH_REQ_XCOMP_PERM). */
+static int amx_permitted(void) {
+    static int permitted = -1; /* a race here computes the same answer twice */
+    if (permitted < 0) permitted = syscall(SYS_arch_prctl, 0x1023, 18 /* XFEATURE_XTILEDATA */) == 0;
+    return permitted;
+}
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+/* to_bf16 on 16 lanes at once */
+INLINE v16h round16(v16f f) {
+    v16u u;
+    memcpy(&u, &f, sizeof u);
+    const v16u nan = (v16u)((u & 0x7fffffffu) > 0x7f800000u);
+    const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
+    return __builtin_convertvector((nan & quiet) | (~nan & rounded), v16h);
+}
+
+/* A tile of sums (16 rows × 16 columns, from row0 and col0) to out, with the bias, the rows and columns that exist. */
+INLINE void amx_store(const float sums[16][PANEL], int64_t row0, int64_t col0, const uint16_t *bias, uint16_t *out,
+                      int64_t m, int64_t n) {
+    const int64_t cols = n - col0 < PANEL ? n - col0 : PANEL, rows = m - row0 < 16 ? m - row0 : 16;
+    v16f b = {0};
+    for (int64_t c = 0; bias && c < cols; c++) b[c] = from_bf16(bias[col0 + c]);
+    for (int64_t i = 0; i < rows; i++) {
+        v16f s;
+        memcpy(&s, sums[i], sizeof s);
+        const v16h h = round16(bias ? s + b : s);
+        if (cols == PANEL) /* a constant size: one store, not a call */
+            memcpy(out + (row0 + i) * n + col0, &h, sizeof h);
+        else
+            for (int64_t c = 0; c < cols; c++) out[(row0 + i) * n + col0 + c] = h[c];
+    }
+}
+
+#define AHEAD 8 /* chunks of a panel prefetched ahead of its loads: 8 KiB, enough to keep memory streaming */
+
+INLINE void prefetch_chunk(const uint16_t *chunk) {
+    for (int line = 0; line < 16; line++) __builtin_prefetch(chunk + line * 32, 0, 3);
+}
+
+/* The sums of tiles 0 to count - 1 to out: tile t holds rows from row0[t], columns from col0[t]. */
+INLINE void amx_finish(int count, const int64_t row0[4], const int64_t col0[4], const uint16_t *bias, uint16_t *out,
+                       int64_t m, int64_t n) {
+    float sums[4][16][PANEL] __attribute__((aligned(64)));
+    _tile_stored(0, sums[0], PANEL * 4);
+    _tile_stored(1, sums[1], PANEL * 4);
+    _tile_stored(2, sums[2], PANEL * 4);
+    _tile_stored(3, sums[3], PANEL * 4);
+    for (int t = 0; t < count; t++) amx_store(sums[t], row0[t], col0[t], bias, out, m, n);
+}
+
+/* Row blocks [r, r + blocks) of the copy xs (blocks 1 to 4) against panel p, which streams from memory once:
+   tiles 0-3 the sums, 6 the panel's chunk, 4, 5 and 7 the rows' (4 again for a fourth block). A row block's chunk
+   d is 16 rows × 32 columns, 1 KiB at xs + (r × kp + 16 d); a panel's, 16 pairs × 16 columns at panel + 16 d. */
+INLINE void amx_panel(const uint16_t *xs, int64_t kp, const uint16_t *panels, int64_t p, int64_t r, int blocks,
+                      const uint16_t *bias, uint16_t *out, int64_t m, int64_t n) {
+    const int64_t step = TILE_K * 16; /* elements per chunk of a row block or a panel */
+    const uint16_t *b = panels + p * kp * PANEL, *a = xs + r * kp * 16;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t d = 0; d < kp / TILE_K; d++) {
+        prefetch_chunk(b + (d + AHEAD) * step);
+        _tile_loadd(6, b + d * step, 64);
+        _tile_loadd(4, a + d * step, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (blocks > 1) {
+            _tile_loadd(5, a + kp * 16 + d * step, 64);
+            _tile_dpbf16ps(1, 5, 6);
+        }
+        if (blocks > 2) {
+            _tile_loadd(7, a + 2 * kp * 16 + d * step, 64);
+            _tile_dpbf16ps(2, 7, 6);
+        }
+        if (blocks > 3) {
+            _tile_loadd(4, a + 3 * kp * 16 + d * step, 64);
+            _tile_dpbf16ps(3, 4, 6);
+        }
+    }
+    const int64_t row0[4] = {r * 16, r * 16 + 16, r * 16 + 32, r * 16 + 48}, col0[4] = {p * PANEL, p * PANEL, p * PANEL, p * PANEL};
+    amx_finish(blocks, row0, col0, bias, out, m, n);
+}
+
+/* One row block (up to 16 rows: decode steps) against panels p and p + 1, two streams from memory at once, which
+   a row block alone needs to keep memory busy: tiles 0-1 the sums, 4 the rows, 6-7 the panels. */
+INLINE void amx_two_panels(const uint16_t *xs, int64_t kp, const uint16_t *panels, int64_t p, const uint16_t *bias,
+                           uint16_t *out, int64_t m, int64_t n) {
+    const int64_t step = TILE_K * 16;
+    const uint16_t *b0 = panels + p * kp * PANEL, *b1 = b0 + kp * PANEL;
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t d = 0; d < kp / TILE_K; d++) {
+        prefetch_chunk(b0 + (d + AHEAD) * step);
+        prefetch_chunk(b1 + (d + AHEAD) * step);
+        _tile_loadd(4, xs + d * step, 64);
+        _tile_loadd(6, b0 + d * step, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, b1 + d * step, 64);
+        _tile_dpbf16ps(1, 4, 7);
+    }
+    const int64_t row0[4] = {0, 0}, col0[4] = {p * PANEL, p * PANEL + PANEL};
+    amx_finish(2, row0, col0, bias, out, m, n);
+}
+
+static int amx_linear(const uint16_t *x, int64_t x_row, const uint16_t *panels, const uint16_t *bias, uint16_t *out,
+                      int64_t m, int64_t n, int64_t k, int threads) {
+    /* the rows copied in tile order, zero-padded to whole row blocks and whole tile rows: every tile is one KiB
+       in a row, every load in bounds, and the padding adds exact zeros */
+    const int64_t kp = round_up(k, TILE_K), blocks = round_up(m, 16) / 16, count = round_up(n, PANEL) / PANEL;
+    uint16_t *xs = aligned_alloc(64, (size_t)(blocks * 16 * kp) * sizeof *xs);
+    if (!xs) return -1;
+    for (int64_t i = 0; i < blocks * 16; i++)
+        for (int64_t d = 0; d < kp; d += TILE_K) {
+            uint16_t *dst = xs + (i / 16) * kp * 16 + d * 16 + (i % 16) * TILE_K;
+            const int64_t valid = i >= m ? 0 : k - d < TILE_K ? k - d : TILE_K;
+            if (valid) memcpy(dst, x + i * x_row + d, (size_t)valid * sizeof *dst);
+            memset(dst + valid, 0, (size_t)(TILE_K - valid) * sizeof *dst);
+        }
+    #pragma omp parallel num_threads(threads) if(threads > 1)
+    {
+        tile_config config = {.palette = 1};
+        for (int t = 0; t < 8; t++) config.colsb[t] = 64, config.rows[t] = 16;
+        _tile_loadconfig(&config);
+        if (blocks == 1) {
+            #pragma omp for schedule(static)
+            for (int64_t p = 0; p < count; p += 2) amx_two_panels(xs, kp, panels, p, bias, out, m, n);
+        } else {
+            for (int64_t r = 0; r < blocks; r += 4) {
+                const int rows = blocks - r < 4 ? (int)(blocks - r) : 4;
+                #pragma omp for schedule(static) nowait
+                for (int64_t p = 0; p < count; p++) amx_panel(xs, kp, panels, p, r, rows, bias, out, m, n);
+            }
+        }
+        _tile_release();
+    }
+    free(xs);
+    return 0;
+}
+#endif
+
+/* ---- the entry points ---- */
+
+/* Whether this process may multiply with AMX tiles: the CPU has them, the build knows them, Linux grants them. */
+int bf16_amx(void) {
+#ifdef HAVE_AMX
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
+
+/* How many bfloat16 the packed [n, k] weight takes, for AMX tiles (amx) or fused multiply-adds. */
+int64_t bf16_packed_size(int64_t n, int64_t k, int amx) {
+    return amx ? round_up(n, 2 * PANEL) * round_up(k, TILE_K) : round_up(n, PANEL) * k;
+}
+
+/* w [n, k] into `packed` (bf16_packed_size elements), in the layout bf16_linear reads with the same `amx`. */
+void bf16_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed, int amx) {
+    if (amx) { /* panel p, pair r, column c, half j: w[p * PANEL + c][2 r + j]; whole pairs of panels */
+        const int64_t kp = round_up(k, TILE_K);
+        for (int64_t p = 0; p < round_up(n, 2 * PANEL) / PANEL; p++)
+            for (int64_t d = 0; d < kp; d++)
+                for (int64_t c = 0; c < PANEL; c++) {
+                    const int64_t row = p * PANEL + c;
+                    packed[p * kp * PANEL + (d / 2) * 2 * PANEL + c * 2 + d % 2] = row < n && d < k ? w[row * k + d] : 0;
+                }
+    } else { /* panel p, input column d, column c: w[p * PANEL + c][d] */
+        for (int64_t p = 0; p < round_up(n, PANEL) / PANEL; p++)
+            for (int64_t d = 0; d < k; d++)
+                for (int64_t c = 0; c < PANEL; c++) {
+                    const int64_t row = p * PANEL + c;
+                    packed[(p * k + d) * PANEL + c] = row < n ? w[row * k + d] : 0;
+                }
+    }
+}
+
+/* Returns 0; -1 when the copy of the input cannot be allocated; -2 when AMX is asked for and not granted. */
+int bf16_linear(const uint16_t *x, int64_t x_row, const uint16_t *packed, const uint16_t *bias, uint16_t *out,
+                int64_t m, int64_t n, int64_t k, int threads, int amx) {
+    if (amx && !bf16_amx()) return -2;
+    if (m <= 0 || n <= 0) return 0;
+#ifdef HAVE_AMX
+    if (amx) return amx_linear(x, x_row, packed, bias, out, m, n, k, threads);
+#endif
+    return fma_linear(x, x_row, packed, bias, out, m, n, k, threads);
 }

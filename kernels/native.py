@@ -56,7 +56,8 @@ def _build(compiler: str, target: Path) -> None:
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
-    """The kernel library with `paged_attention` and `bf16_linear` typed, or None when it cannot be built here (logged)."""
+    """The kernel library with its entry points typed (`paged_attention`, `bf16_linear` and its packing), or None
+    when it cannot be built here (logged)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.warning("no C compiler (cc, gcc or $CC): the CPU attention gathers keys and values with torch, and "
@@ -78,7 +79,11 @@ def load() -> ctypes.CDLL | None:
     lib.paged_attention.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _PTR,
                                     _I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int]
     lib.bf16_linear.restype = ctypes.c_int
-    lib.bf16_linear.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int]
-    lib.bf16_panel_width.restype = _I64
-    lib.bf16_panel_width.argtypes = []
+    lib.bf16_linear.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int, ctypes.c_int]
+    lib.bf16_amx.restype = ctypes.c_int
+    lib.bf16_amx.argtypes = []
+    lib.bf16_packed_size.restype = _I64
+    lib.bf16_packed_size.argtypes = [_I64, _I64, ctypes.c_int]
+    lib.bf16_pack.restype = None
+    lib.bf16_pack.argtypes = [_PTR, _I64, _I64, _PTR, ctypes.c_int]
     return lib

@@ -1,16 +1,30 @@
-"""bfloat16 linears on the CPU: prepacked weights give exactly the logits of the plain linears (CPUs with native
-bfloat16); widened ones (on CPUs without: the C kernel, or float32 chunks for MKL without a compiler) give the exact
-product within float32's summation error, rounded once, and the C kernel's rows do not depend on the batch."""
+"""bfloat16 linears on the CPU: oneDNN's packed ones give exactly the plain linears' logits; kernels/cpu_linear.c's
+(AMX tiles, or float32 fused multiply-adds) and the float32 chunks give the exact product within float32's
+summation error, rounded once; cpu_linear.c gives a row the same bits in any batch, and with AMX tiles a row alone
+gets torch's own bfloat16 linear bit for bit."""
 from __future__ import annotations
 
 import pytest
 import torch
 from worker_oracle import prompts, single_thread, write_tiny  # noqa: F401 (fixture)
 
-from gpu_worker import packed_linear
-from gpu_worker.packed_linear import PackedLinear, WidenedLinear, native_bfloat16, pack_linears
+from gpu_worker.packed_linear import (ChunkedLinear, NativeLinear, PackedLinear, linear_kind, native_bfloat16,
+                                      pack_linears)
+from kernels import native
 
 native_only = pytest.mark.skipif(not native_bfloat16(), reason="oneDNN has no native bfloat16 on this CPU")
+
+
+def twin(way: str, linear: torch.nn.Linear) -> torch.nn.Module:
+    """`linear` through cpu_linear.c with AMX tiles ("amx") or fused multiply-adds ("fma"), or in float32 chunks."""
+    if way == "chunks":
+        return ChunkedLinear(linear)
+    kernel = native.load()
+    if kernel is None:
+        pytest.skip("no C compiler here")
+    if way == "amx" and not kernel.bf16_amx():
+        pytest.skip("no AMX tiles on this CPU (or not granted)")
+    return NativeLinear(linear, kernel, amx=way == "amx")
 
 
 @native_only
@@ -49,33 +63,30 @@ def test_a_bfloat16_model_with_packed_linears_gives_the_same_logits(arch, tokens
     plain = logits()
     assert pack_linears(model) > 0
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
-    if native_bfloat16():
+    kind = {"amx": NativeLinear, "fma": NativeLinear, "onednn": PackedLinear, "chunks": ChunkedLinear}[linear_kind()]
+    assert any(isinstance(m, kind) for m in model.modules())
+    if kind is PackedLinear:
         assert torch.equal(logits(), plain)
-    else:  # float32 sums where torch's fallback sums otherwise: within bfloat16's rounding
-        assert any(isinstance(m, WidenedLinear) for m in model.modules())
+    else:  # sums in another order (and, widened, float32 sums where torch's fallback sums otherwise)
         torch.testing.assert_close(logits(), plain, atol=0.05, rtol=0.02)
 
 
-def widened_linear(native: bool, monkeypatch, bias: bool) -> tuple[torch.nn.Linear, WidenedLinear]:
-    """A 772 → 602 bfloat16 linear and its widened twin: 602 outputs end in a part panel of the C kernel, and the
-    fallback's chunks of 256 rows in a short one."""
-    if not native:
-        monkeypatch.setattr(packed_linear.native, "load", lambda: None)
-    elif packed_linear.native.load() is None:
-        pytest.skip("no C compiler here")
-    linear = torch.nn.Linear(772, 602, bias=bias).to(torch.bfloat16)
-    widened = WidenedLinear(linear)
-    assert (widened.kernel is not None) == native
-    assert widened.weight.dtype == torch.bfloat16  # no float32 copy of the weights kept
-    return linear, widened
+WAYS = ["amx", "fma", "chunks"]
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["c-kernel", "no-compiler"])
+def linear_772_to_602(bias: bool) -> torch.nn.Linear:
+    """602 outputs end in a part panel of cpu_linear.c (and of the chunks' 256 rows); 772 inputs in a part tile row
+    of 32."""
+    return torch.nn.Linear(772, 602, bias=bias).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("tokens,bias", [(1, False), (5, True), (13, False), (64, True)])
-def test_a_widened_linear_gives_the_exact_product_of_the_bfloat16_values_rounded_once(tokens, bias, native,
-                                                                                       monkeypatch):
+def test_a_bfloat16_linear_gives_the_exact_product_of_the_bfloat16_values_rounded_once(tokens, bias, way):
     torch.manual_seed(tokens)
-    linear, widened = widened_linear(native, monkeypatch, bias)
+    linear = linear_772_to_602(bias)
+    packed = twin(way, linear)
+    assert not any(t.dtype == torch.float32 for t in packed.state_dict().values())  # no float32 copy kept
     rows = torch.randn(tokens, 2 * 772).to(torch.bfloat16)
     inputs = {"rows strided apart": rows[:, :772], "3-D": rows[:, :772].reshape(1, tokens, 772),
               "columns strided apart": rows[:, ::2]}
@@ -83,7 +94,7 @@ def test_a_widened_linear_gives_the_exact_product_of_the_bfloat16_values_rounded
         exact = torch.nn.functional.linear(x.double(), linear.weight.double(),
                                            None if linear.bias is None else linear.bias.double())
         with torch.inference_mode():
-            out = widened(x)
+            out = packed(x)
         assert out.dtype == torch.bfloat16 and out.shape == x.shape[:-1] + (602,), name
         # float32 sums of 772 products in any order: within 772 units of float32 of the sum of their magnitudes;
         # then one rounding to bfloat16
@@ -92,14 +103,30 @@ def test_a_widened_linear_gives_the_exact_product_of_the_bfloat16_values_rounded
         assert ((out.double() - exact).abs() <= bound).all(), name
 
 
-def test_the_c_kernel_gives_a_row_the_same_bits_in_any_batch(monkeypatch):
+@pytest.mark.parametrize("way", ["amx", "fma"])
+def test_cpu_linear_gives_a_row_the_same_bits_in_any_batch(way):
     """Each output sums its products in one order whatever the batch: a sequence's logits do not change with the
-    sequences beside it, nor when a restarted worker recomputes its prefix in one prefill."""
+    sequences beside it, nor when a restarted worker recomputes its prefix in one prefill. 70 rows: whole and part
+    tiles of 16 rows, and row blocks beyond the first four."""
     torch.manual_seed(0)
-    _, widened = widened_linear(True, monkeypatch, bias=True)
-    x = torch.randn(13, 772).to(torch.bfloat16)
+    packed = twin(way, linear_772_to_602(bias=True))
+    x = torch.randn(70, 772).to(torch.bfloat16)
     with torch.inference_mode():
-        batch = widened(x)
-        for i in range(13):
-            assert torch.equal(widened(x[i:i + 1]), batch[i:i + 1])
-        assert torch.equal(widened(x[3:10]), batch[3:10])
+        batch = packed(x)
+        for i in range(70):
+            assert torch.equal(packed(x[i:i + 1]), batch[i:i + 1])
+        assert torch.equal(packed(x[3:20]), batch[3:20])
+
+
+@native_only
+@pytest.mark.parametrize("n,k,bias", [(602, 772, True), (512, 256, False), (40, 96, True)])
+def test_a_row_alone_through_amx_tiles_gets_torchs_own_bfloat16_linear(n, k, bias):
+    """The oracle for the AMX way: torch's bfloat16 linear on this CPU is oneDNN's, on the same AMX tiles, and at
+    one row it multiplies and adds as cpu_linear.c does (at many rows it splits the sums otherwise)."""
+    torch.manual_seed(n)
+    linear = torch.nn.Linear(k, n, bias=bias).to(torch.bfloat16)
+    packed = twin("amx", linear)
+    x = torch.randn(8, k).to(torch.bfloat16)
+    with torch.inference_mode():
+        for row in x.split(1):
+            assert torch.equal(packed(row), linear(row))
