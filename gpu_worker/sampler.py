@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from gpu_worker.sequence import SequenceState
+from shared.sampling import SamplingParams
+
 
 @dataclass(slots=True)
 class SampledToken:
@@ -64,10 +66,13 @@ def token_counts(token_lists: list[list[int]], vocab: int, device: torch.device)
     return counts[:, :vocab].to(device)
 
 
+def has_penalty(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+
+
 def apply_penalties(logits: torch.Tensor, seqs: list[SequenceState]) -> None:
     """Repetition penalty over prompt + output tokens, frequency and presence penalties over output tokens."""
-    rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0
-            or s.params.frequency_penalty != 0.0 or s.params.presence_penalty != 0.0]
+    rows = [i for i, s in enumerate(seqs) if has_penalty(s.params)]
     if not rows:
         return
     vocab, device = logits.shape[1], logits.device
@@ -131,9 +136,10 @@ class Sampler:
         logits = logits.float()
         want_logprobs = [s.params.logprobs is not None for s in seqs]
         raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
-        logits = logits.clone()
-        mask_stop_tokens(logits, seqs, eos_token_ids)
-        apply_penalties(logits, seqs)
+        if any(s.num_output_tokens < s.params.min_tokens or has_penalty(s.params) for s in seqs):
+            logits = logits.clone()  # edited in place below; a copy costs ~1 ms at 64 rows of 32k, so only then
+            mask_stop_tokens(logits, seqs, eos_token_ids)
+            apply_penalties(logits, seqs)
         tokens = self._choose(logits, seqs)
         token_list = tokens.tolist()
         results = [SampledToken(t) for t in token_list]

@@ -1,0 +1,88 @@
+"""RMSNorm of bfloat16 activations through kernels/cpu_norm.c: torch's own F.rms_norm is the oracle (float32
+arithmetic, one rounding); the kernel sums the squares in another order, so an output may be one bfloat16 step
+away from torch's, rarely, and a row's outputs do not depend on the batch."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from worker_oracle import prompts, write_tiny
+
+from gpu_worker import native_norm
+from gpu_worker.models.layers import RMSNorm
+from gpu_worker.native_norm import NativeRMSNorm, swap_norms
+from kernels import native
+
+
+@pytest.fixture
+def kernel():
+    lib = native.load()
+    if lib is None:
+        pytest.skip("no C compiler here")
+    return lib
+
+
+def norm_of(size: int, seed: int) -> RMSNorm:
+    norm = RMSNorm(size, 1e-5)
+    norm.weight.data = torch.randn(size, generator=torch.Generator().manual_seed(seed))
+    return norm
+
+
+def bf16_step(x: torch.Tensor) -> torch.Tensor:
+    """The distance from each bfloat16 value to the next one up in magnitude."""
+    exponent = torch.floor(torch.log2(x.float().abs().clamp_min(2.0 ** -126)))
+    return torch.exp2(exponent - 7)
+
+
+@pytest.mark.parametrize("size", [64, 100, 256, 768])  # a q/k norm's head; not a multiple of 16; two hidden sizes
+def test_a_native_rms_norm_is_torchs_within_one_bfloat16_step(kernel, size):
+    torch.manual_seed(size)
+    norm = norm_of(size, size)
+    x = (torch.randn(300, size) * 3).to(torch.bfloat16)
+    expected = F.rms_norm(x, (size,), norm.weight.to(torch.bfloat16), norm.eps)
+    out = NativeRMSNorm(norm, kernel)(x)
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    assert ((out.float() - expected.float()).abs() <= bf16_step(expected)).all()
+    assert (out == expected).float().mean() > 0.999
+
+
+def test_a_rows_norm_is_the_same_bits_in_any_batch_and_from_a_strided_view(kernel):
+    norm = NativeRMSNorm(norm_of(64, 1), kernel)
+    qkv = torch.randn(20, 8, 64).to(torch.bfloat16)
+    heads = qkv[:, :4]  # the query heads of a fused q|k|v projection, as a q_norm sees them: not contiguous
+    batch = norm(heads)
+    assert torch.equal(batch, norm(heads.contiguous()))
+    for i in range(20):
+        assert torch.equal(norm(heads[i:i + 1]), batch[i:i + 1])
+    with pytest.raises(TypeError, match="bfloat16"):
+        norm(heads.float())
+
+
+def test_a_bfloat16_model_with_native_norms_gives_torchs_logits_within_rounding(kernel, tmp_path):
+    from gpu_worker.loader import load_config, load_model
+    from gpu_worker.models.layers import ForwardContext
+
+    model_dir = write_tiny("qwen3", tmp_path / "qwen3")  # q and k norms besides the layers' and the final one
+    model = load_model(model_dir, load_config(model_dir), 64, torch.device("cpu"), torch.bfloat16, progress=False)
+    ids = torch.tensor(prompts([12])[0])
+
+    def logits() -> torch.Tensor:
+        def attend(q, k, v, key_cache, value_cache, scale):
+            out = F.scaled_dot_product_attention(q.transpose(0, 1).float(), k.transpose(0, 1).float(),
+                                                 v.transpose(0, 1).float(), is_causal=True, scale=scale,
+                                                 enable_gqa=q.shape[1] != k.shape[1])
+            return out.transpose(0, 1).to(q.dtype)
+        with torch.inference_mode():
+            return model.compute_logits(model(ids, torch.arange(len(ids)), ForwardContext([(None, None)] * 8, attend)))
+
+    plain = logits()
+    norms = sum(isinstance(m, RMSNorm) for m in model.modules())
+    assert swap_norms(model) == norms > 2
+    assert not any(isinstance(m, RMSNorm) for m in model.modules())
+    torch.testing.assert_close(logits(), plain, atol=0.05, rtol=0.02)
+
+
+def test_without_a_compiler_the_norms_stay_torchs(monkeypatch):
+    model = torch.nn.Sequential(norm_of(8, 0))
+    monkeypatch.setattr(native_norm.native, "load", lambda: None)
+    assert swap_norms(model) == 0 and isinstance(model[0], RMSNorm)
