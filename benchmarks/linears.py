@@ -18,34 +18,12 @@ import time
 from typing import Callable
 
 # (name, out_features, in_features): the projections of each model (q|k|v and gate|up merged, as the worker has them)
+ORDER = ("onednn", "amx", "fma", "chunks")  # the table's columns; ratios are to the first one measured
 SHAPES = {
     "tiny": [("qkv", 512, 256), ("o", 256, 256), ("gate_up", 1024, 256), ("down", 256, 512), ("lm_head", 512, 256)],
     "100m": [("qkv", 1280, 768), ("o", 768, 768), ("gate_up", 4096, 768), ("down", 768, 2048),
              ("lm_head", 32000, 768)],
 }
-
-
-def available_ways() -> list[str]:
-    from gpu_worker.packed_linear import native_bfloat16
-    from kernels import native
-
-    kernel = native.load()
-    ways = ["onednn"] if native_bfloat16() else []
-    if kernel is not None:
-        ways += ["amx"] if kernel.bf16_amx() else []
-        ways += ["fma"]
-    return ways + ["chunks"]
-
-
-def twin(way: str, linear):
-    from gpu_worker.packed_linear import ChunkedLinear, NativeLinear, PackedLinear
-    from kernels import native
-
-    if way == "onednn":
-        return PackedLinear(linear)
-    if way == "chunks":
-        return ChunkedLinear(linear)
-    return NativeLinear(linear, native.load(), amx=way == "amx")
 
 
 def best_of(calls: list[Callable[[], object]], repeats: int, rounds: int) -> list[float]:
@@ -73,8 +51,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from gpu_worker.packed_linear import available_kinds, twin
+
     torch.set_num_threads(1)
-    have = available_ways()
+    have = [kind for kind in ORDER if kind in available_kinds()]
     ways = args.ways.split(",") if args.ways else have
     missing = [w for w in ways if w not in have]
     if missing:

@@ -13,7 +13,7 @@ import ctypes
 import torch
 from torch import nn
 
-from gpu_worker.models.layers import RMSNorm
+from gpu_worker.models.layers import RMSNorm, replace_modules
 from kernels import native
 
 
@@ -39,10 +39,4 @@ def swap_norms(model: nn.Module) -> int:
     """Replace every RMSNorm of `model` (loaded, bfloat16, on the CPU) by its native twin; how many (none without
     a C compiler)."""
     kernel = native.load()
-    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, RMSNorm)]
-    if kernel is None:
-        return 0
-    for name, module in targets:
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr, NativeRMSNorm(module, kernel))
-    return len(targets)
+    return 0 if kernel is None else replace_modules(model, RMSNorm, lambda norm: NativeRMSNorm(norm, kernel))

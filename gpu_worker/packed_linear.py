@@ -5,8 +5,8 @@ outputs then the same bits whatever the batch.
 - "amx": cpu_linear.c with AMX tiles (Sapphire Rapids and later). The same products and sums as oneDNN's AMX
   matmul at one row, but in one order at any batch; oneDNN changes its order with the number of rows, so a
   sequence's bfloat16 tokens changed with the sequences beside it and when a restarted worker recomputed its
-  prefix. Up to 16 rows it also takes 0.2-0.85× oneDNN's time (no per-call overhead of ~40 µs), about the
-  same at 64, up to 1.7× at hundreds (prefill chunks); RESULTS.md.
+  prefix. Up to 16 rows it also takes 0.5-0.7× oneDNN's time (oneDNN spends ~40 µs a call before it
+  multiplies), 0.6-1.3× at 64, 1.3-1.9× at 256 and ~2.2× at 2,048 (prefill steps); RESULTS.md.
 - "onednn": torch's oneDNN matmul, on CPUs with native bfloat16 but no AMX (AVX-512 BF16), or without a C
   compiler. Packed once (`torch.ops.mkldnn._reorder_linear_weight`, what Inductor's CPU freezing does): unpacked,
   oneDNN reorders the weight on every call, doubling a decode step's memory traffic.
@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_worker.models.layers import replace_modules
 from kernels import native
 
 CHUNK_ROWS = 256  # the fallback's float32 chunk: 768 KiB at 768 inputs, in cache
@@ -103,14 +104,25 @@ def native_bfloat16() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def available_kinds() -> list[str]:
+    """Every way this process can multiply bfloat16 linears, the one `linear_kind` takes first."""
+    kernel = native.load()
+    kinds = ["amx"] if kernel is not None and kernel.bf16_amx() else []
+    kinds += ["onednn"] if native_bfloat16() else []
+    kinds += ["fma"] if kernel is not None else []
+    return kinds + ["chunks"]
+
+
 def linear_kind() -> str:
     """How this process multiplies bfloat16 linears: "amx", "onednn", "fma" or "chunks" (the module's docstring)."""
-    kernel = native.load()
-    if kernel is not None and kernel.bf16_amx():
-        return "amx"
-    if native_bfloat16():
-        return "onednn"
-    return "chunks" if kernel is None else "fma"
+    return available_kinds()[0]
+
+
+def twin(kind: str, linear: nn.Linear) -> nn.Module:
+    """`linear` (bfloat16) packed for `kind`, one of `available_kinds()`."""
+    if kind in ("amx", "fma"):
+        return NativeLinear(linear, native.load(), amx=kind == "amx")
+    return PackedLinear(linear) if kind == "onednn" else ChunkedLinear(linear)
 
 
 def batch_invariant() -> bool:
@@ -121,14 +133,4 @@ def batch_invariant() -> bool:
 def pack_linears(model: nn.Module) -> int:
     """Replace every nn.Linear of `model` (loaded, bfloat16, on the CPU) by its packed twin; how many."""
     kind = linear_kind()
-
-    def twin(linear: nn.Linear) -> nn.Module:
-        if kind in ("amx", "fma"):
-            return NativeLinear(linear, native.load(), amx=kind == "amx")
-        return PackedLinear(linear) if kind == "onednn" else ChunkedLinear(linear)
-
-    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-    for name, module in targets:
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr, twin(module))
-    return len(targets)
+    return replace_modules(model, nn.Linear, lambda linear: twin(kind, linear))

@@ -8,10 +8,11 @@
 
    Two ways, chosen once per process (`bf16_amx`), with a weight layout each, packed here (`bf16_pack`):
    - AMX tiles, where the CPU has them (Sapphire Rapids and later) and the kernel lets this process use them.
-     The weight in panels of 16 output columns, each [k / 2][16][2] (the pairs of input columns that
-     `tdpbf16ps` multiplies together), k padded with zeros to a multiple of 32; a tile of 16 input rows × 32 input
-     columns against a panel's 16 × 32 adds into 16 × 16 float32 sums, 32 columns at a time in order. An
-     output's sums depend only on its row and column, whatever tile row or batch they are in.
+     The weight in panels of 16 output columns, each [kp / 2][16][2] (the pairs of input columns that
+     `tdpbf16ps` multiplies together), kp = k padded with zeros to a multiple of 32, n to whole pairs of panels;
+     a tile of 16 input rows × 32 input columns against a panel's 16 × 32 adds into 16 × 16 float32 sums, 32
+     columns at a time in order. An output's sums depend only on its row and column, whatever tile row or batch
+     they are in.
    - Elsewhere, fused multiply-adds in float32: the weight in panels of PANEL output columns, [k][PANEL], each
      row widened in registers; a tile of up to ROWS input rows × PANEL outputs keeps its sums in registers.
 
@@ -170,8 +171,9 @@ INLINE void amx_finish(int count, const int64_t row0[4], const int64_t col0[4], 
 }
 
 /* Row blocks [r, r + blocks) of the copy xs (blocks 1 to 4) against panel p, which streams from memory once:
-   tiles 0-3 the sums, 6 the panel's chunk, 4, 5 and 7 the rows' (4 again for a fourth block). A row block's chunk
-   d is 16 rows × 32 columns, 1 KiB at xs + (r × kp + 16 d); a panel's, 16 pairs × 16 columns at panel + 16 d. */
+   tiles 0-3 the sums, 6 the panel's chunk, 4, 5 and 7 the rows' (4 again for a fourth block). Chunk d of row
+   block r is its 16 rows × 32 columns, 1 KiB at xs + 16 (r kp + 32 d); of a panel, 16 pairs × 16 columns at
+   panel + 512 d. */
 INLINE void amx_panel(const uint16_t *xs, int64_t kp, const uint16_t *panels, int64_t p, int64_t r, int blocks,
                       const uint16_t *bias, uint16_t *out, int64_t m, int64_t n) {
     const int64_t step = TILE_K * 16; /* elements per chunk of a row block or a panel */
@@ -198,7 +200,8 @@ INLINE void amx_panel(const uint16_t *xs, int64_t kp, const uint16_t *panels, in
             _tile_dpbf16ps(3, 4, 6);
         }
     }
-    const int64_t row0[4] = {r * 16, r * 16 + 16, r * 16 + 32, r * 16 + 48}, col0[4] = {p * PANEL, p * PANEL, p * PANEL, p * PANEL};
+    const int64_t row0[4] = {r * 16, r * 16 + 16, r * 16 + 32, r * 16 + 48};
+    const int64_t col0[4] = {p * PANEL, p * PANEL, p * PANEL, p * PANEL};
     amx_finish(blocks, row0, col0, bias, out, m, n);
 }
 
@@ -282,8 +285,8 @@ void bf16_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed, int am
         for (int64_t p = 0; p < round_up(n, 2 * PANEL) / PANEL; p++)
             for (int64_t d = 0; d < kp; d++)
                 for (int64_t c = 0; c < PANEL; c++) {
-                    const int64_t row = p * PANEL + c;
-                    packed[p * kp * PANEL + (d / 2) * 2 * PANEL + c * 2 + d % 2] = row < n && d < k ? w[row * k + d] : 0;
+                    const int64_t row = p * PANEL + c, at = p * kp * PANEL + (d / 2) * 2 * PANEL + c * 2 + d % 2;
+                    packed[at] = row < n && d < k ? w[row * k + d] : 0;
                 }
     } else { /* panel p, input column d, column c: w[p * PANEL + c][d] */
         for (int64_t p = 0; p < round_up(n, PANEL) / PANEL; p++)

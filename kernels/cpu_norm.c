@@ -2,7 +2,7 @@
    once, as torch's fused F.rms_norm does for bfloat16. One call for what torch does in ~30 µs of dispatch per
    call here (a decode step of the built-in tiny model makes nine: 16 % of its time). Each row alone, its sum in
    one order: a row's output does not depend on the batch. Built and loaded by kernels/native.py;
-   gpu_worker/cpu_norm.py calls it.
+   gpu_worker/native_norm.py calls it.
 
    Layouts: x [m, n] bfloat16 with a row stride, n contiguous; w [n] bfloat16; out [m, n] bfloat16 contiguous. */
 #include <math.h>

@@ -46,7 +46,7 @@ def test_a_native_rms_norm_is_torchs_within_one_bfloat16_step(kernel, size):
     assert (out == expected).float().mean() > 0.999
 
 
-def test_a_rows_norm_is_the_same_bits_in_any_batch_and_from_a_strided_view(kernel):
+def test_a_rows_norm_is_the_same_bits_in_any_batch_and_from_strided_views(kernel):
     norm = NativeRMSNorm(norm_of(64, 1), kernel)
     qkv = torch.randn(20, 8, 64).to(torch.bfloat16)
     heads = qkv[:, :4]  # the query heads of a fused q|k|v projection, as a q_norm sees them: not contiguous
@@ -54,6 +54,8 @@ def test_a_rows_norm_is_the_same_bits_in_any_batch_and_from_a_strided_view(kerne
     assert torch.equal(batch, norm(heads.contiguous()))
     for i in range(20):
         assert torch.equal(norm(heads[i:i + 1]), batch[i:i + 1])
+    wide = torch.randn(20, 128).to(torch.bfloat16)[:, :64]  # rows 128 apart: the kernel's row stride
+    assert torch.equal(norm(wide), norm(wide.contiguous()))
     with pytest.raises(TypeError, match="bfloat16"):
         norm(heads.float())
 

@@ -8,23 +8,17 @@ import pytest
 import torch
 from worker_oracle import prompts, single_thread, write_tiny  # noqa: F401 (fixture)
 
-from gpu_worker.packed_linear import (ChunkedLinear, NativeLinear, PackedLinear, linear_kind, native_bfloat16,
-                                      pack_linears)
-from kernels import native
+from gpu_worker.packed_linear import (ChunkedLinear, NativeLinear, PackedLinear, available_kinds, linear_kind,
+                                      native_bfloat16, pack_linears, twin)
 
 native_only = pytest.mark.skipif(not native_bfloat16(), reason="oneDNN has no native bfloat16 on this CPU")
 
 
-def twin(way: str, linear: torch.nn.Linear) -> torch.nn.Module:
-    """`linear` through cpu_linear.c with AMX tiles ("amx") or fused multiply-adds ("fma"), or in float32 chunks."""
-    if way == "chunks":
-        return ChunkedLinear(linear)
-    kernel = native.load()
-    if kernel is None:
-        pytest.skip("no C compiler here")
-    if way == "amx" and not kernel.bf16_amx():
-        pytest.skip("no AMX tiles on this CPU (or not granted)")
-    return NativeLinear(linear, kernel, amx=way == "amx")
+def packed(way: str, linear: torch.nn.Linear) -> torch.nn.Module:
+    """`linear` packed the `way` given (`packed_linear.twin`), or the test skipped where this CPU lacks it."""
+    if way not in available_kinds():
+        pytest.skip(f"no {way} here ({', '.join(available_kinds())})")
+    return twin(way, linear)
 
 
 @native_only
@@ -38,7 +32,7 @@ def test_a_packed_linear_computes_what_the_linear_does(tokens, bias):
         assert torch.equal(PackedLinear(linear)(x.t().contiguous().t()), linear(x))  # a strided input
 
 
-@pytest.mark.parametrize("tokens", [5, 12])  # a part tile of the C kernel's 6 rows; two tiles
+@pytest.mark.parametrize("tokens", [5, 40])  # one part tile (6 rows of fma, 16 of amx); several whole ones
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "opt", "qwen2"])
 def test_a_bfloat16_model_with_packed_linears_gives_the_same_logits(arch, tokens, tmp_path):
     from gpu_worker.loader import load_config, load_model
@@ -85,8 +79,9 @@ def linear_772_to_602(bias: bool) -> torch.nn.Linear:
 def test_a_bfloat16_linear_gives_the_exact_product_of_the_bfloat16_values_rounded_once(tokens, bias, way):
     torch.manual_seed(tokens)
     linear = linear_772_to_602(bias)
-    packed = twin(way, linear)
-    assert not any(t.dtype == torch.float32 for t in packed.state_dict().values())  # no float32 copy kept
+    module = packed(way, linear)
+    kept = module.weight if way == "chunks" else module.packed
+    assert kept.dtype == torch.bfloat16  # no float32 copy of the weights kept
     rows = torch.randn(tokens, 2 * 772).to(torch.bfloat16)
     inputs = {"rows strided apart": rows[:, :772], "3-D": rows[:, :772].reshape(1, tokens, 772),
               "columns strided apart": rows[:, ::2]}
@@ -94,7 +89,7 @@ def test_a_bfloat16_linear_gives_the_exact_product_of_the_bfloat16_values_rounde
         exact = torch.nn.functional.linear(x.double(), linear.weight.double(),
                                            None if linear.bias is None else linear.bias.double())
         with torch.inference_mode():
-            out = packed(x)
+            out = module(x)
         assert out.dtype == torch.bfloat16 and out.shape == x.shape[:-1] + (602,), name
         # float32 sums of 772 products in any order: within 772 units of float32 of the sum of their magnitudes;
         # then one rounding to bfloat16
@@ -109,13 +104,13 @@ def test_cpu_linear_gives_a_row_the_same_bits_in_any_batch(way):
     sequences beside it, nor when a restarted worker recomputes its prefix in one prefill. 70 rows: whole and part
     tiles of 16 rows, and row blocks beyond the first four."""
     torch.manual_seed(0)
-    packed = twin(way, linear_772_to_602(bias=True))
+    module = packed(way, linear_772_to_602(bias=True))
     x = torch.randn(70, 772).to(torch.bfloat16)
     with torch.inference_mode():
-        batch = packed(x)
+        batch = module(x)
         for i in range(70):
-            assert torch.equal(packed(x[i:i + 1]), batch[i:i + 1])
-        assert torch.equal(packed(x[3:20]), batch[3:20])
+            assert torch.equal(module(x[i:i + 1]), batch[i:i + 1])
+        assert torch.equal(module(x[3:20]), batch[3:20])
 
 
 @native_only
@@ -125,8 +120,8 @@ def test_a_row_alone_through_amx_tiles_gets_torchs_own_bfloat16_linear(n, k, bia
     one row it multiplies and adds as cpu_linear.c does (at many rows it splits the sums otherwise)."""
     torch.manual_seed(n)
     linear = torch.nn.Linear(k, n, bias=bias).to(torch.bfloat16)
-    packed = twin("amx", linear)
+    module = packed("amx", linear)
     x = torch.randn(8, k).to(torch.bfloat16)
     with torch.inference_mode():
         for row in x.split(1):
-            assert torch.equal(packed(row), linear(row))
+            assert torch.equal(module(row), linear(row))

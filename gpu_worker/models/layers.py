@@ -40,6 +40,15 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return ACTIVATIONS[name]
 
 
+def replace_modules(model: nn.Module, kind: type[nn.Module], make: Callable[[nn.Module], nn.Module]) -> int:
+    """Replace every submodule of type `kind` by `make(it)`; how many."""
+    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, kind)]
+    for name, module in targets:
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, make(module))
+    return len(targets)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
