@@ -201,7 +201,7 @@ def run(args) -> int:
                 for c in map(int, args.vllm_concurrency.split(",")):
                     measure_cell(args, model, model_dir, systems,
                                  Cell(c, math.inf, max(args.vllm_min_prompts, args.vllm_waves * c)), results_dir, table)
-                points = rated[model] if rated is not None else [
+                points = rated.get(model, []) if rated is not None else [
                     (c, sustained_rate(table[(model, Cell(c, math.inf, 0).name)], args.vllm_rated_load))
                     for c in map(int, args.vllm_rated_concurrency.split(","))]
                 for c, rate in points:
@@ -272,8 +272,9 @@ def add_arguments(p) -> None:
     g.add_argument("--vllm-concurrency", default="1,16,64", help="unlimited-rate cells")
     g.add_argument("--vllm-dtypes", default="bfloat16,float32", help="each server runs in each of these dtypes")
     g.add_argument("--vllm-rated", default="auto", help="cells at a rate all sustain: MODEL:CONCURRENCY@RATE,...;"
-                   "MODEL:... (e.g. tiny:1@2,64@5), or auto: --vllm-rated-load of the slowest server's unlimited "
-                   "throughput at each of --vllm-rated-concurrency")
+                   "MODEL:... (e.g. tiny:1@2,64@5; a model not named gets none, so ';' runs none), or auto: "
+                   "--vllm-rated-load of the slowest server's unlimited throughput at each of "
+                   "--vllm-rated-concurrency")
     g.add_argument("--vllm-rated-concurrency", default="1,64", help="auto rated cells' concurrencies (each must be "
                    "among --vllm-concurrency)")
     g.add_argument("--vllm-rated-load", type=float, default=0.3, help="auto rated cells' share of the slowest "
