@@ -6,7 +6,7 @@ outputs then the same bits whatever the batch.
   matmul at one row, but in one order at any batch; oneDNN changes its order with the number of rows, so a
   sequence's bfloat16 tokens changed with the sequences beside it and when a restarted worker recomputed its
   prefix. Up to 16 rows it also takes 0.5-0.8× oneDNN's time (oneDNN spends ~40 µs a call before it
-  multiplies), 0.6-1.3× at 64, 0.9-2.3× at 256 and 2.0-2.35× at 2,048 (prefill steps); RESULTS.md.
+  multiplies), 0.6-1.3× at 64, 0.9-2.3× at 256 and 1.8-2× at 2,048 (prefill steps); RESULTS.md.
 - "onednn": torch's oneDNN matmul, on CPUs with native bfloat16 but no AMX (AVX-512 BF16), or without a C
   compiler. Packed once (`torch.ops.mkldnn._reorder_linear_weight`, what Inductor's CPU freezing does): unpacked,
   oneDNN reorders the weight on every call, doubling a decode step's memory traffic.
