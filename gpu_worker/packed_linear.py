@@ -33,6 +33,7 @@ KINDS = {"amx": "AMX tiles (kernels/cpu_linear.c), a row's outputs the same what
          "fma": "bfloat16 weights widened to float32 in registers (kernels/cpu_linear.c), a row's outputs the same "
                 "whatever the batch",
          "chunks": "float32 chunks for MKL (no C compiler and no native bfloat16)"}
+NATIVE_KINDS = ("amx", "fma")  # through kernels/cpu_linear.c: a row's outputs the same bits in any batch
 
 
 class PackedLinear(nn.Module):
@@ -120,14 +121,14 @@ def linear_kind() -> str:
 
 def twin(kind: str, linear: nn.Linear) -> nn.Module:
     """`linear` (bfloat16) packed for `kind`, one of `available_kinds()`."""
-    if kind in ("amx", "fma"):
+    if kind in NATIVE_KINDS:
         return NativeLinear(linear, native.load(), amx=kind == "amx")
     return PackedLinear(linear) if kind == "onednn" else ChunkedLinear(linear)
 
 
 def batch_invariant() -> bool:
     """Whether a row's bfloat16 linear outputs here are the same bits whatever the rows beside it."""
-    return linear_kind() in ("amx", "fma")
+    return linear_kind() in NATIVE_KINDS
 
 
 def pack_linears(model: nn.Module) -> int:

@@ -159,17 +159,6 @@ INLINE void prefetch_chunk(const uint16_t *chunk) {
     for (int line = 0; line < 16; line++) __builtin_prefetch(chunk + line * 32, 0, 3);
 }
 
-/* The sums of tiles 0 to count - 1 to out: tile t holds rows from row0[t], columns from col0[t]. */
-INLINE void amx_finish(int count, const int64_t row0[4], const int64_t col0[4], const uint16_t *bias, uint16_t *out,
-                       int64_t m, int64_t n) {
-    float sums[4][16][PANEL] __attribute__((aligned(64)));
-    _tile_stored(0, sums[0], PANEL * 4);
-    _tile_stored(1, sums[1], PANEL * 4);
-    _tile_stored(2, sums[2], PANEL * 4);
-    _tile_stored(3, sums[3], PANEL * 4);
-    for (int t = 0; t < count; t++) amx_store(sums[t], row0[t], col0[t], bias, out, m, n);
-}
-
 /* A panel's sums, stored from its tiles, waiting for their rounding to out. */
 typedef struct {
     float sums[4][16][PANEL];
@@ -185,8 +174,7 @@ INLINE void amx_round(const amx_sums *done, int t, const uint16_t *bias, uint16_
    tiles 0-3 the sums, 6 the panel's chunk, 4, 5 and 7 the rows' (4 again for a fourth block). Chunk d of row
    block r is its 16 rows × 32 columns, 1 KiB at xs + 16 (r kp + 32 d); of a panel, 16 pairs × 16 columns at
    panel + 512 d. The sums go to `next`; the previous panel's (`done`, or NULL) are rounded to out a tile per
-   chunk meanwhile, on the vector units while the tiles multiply: done after the tiles' last products, the
-   rounding took a third of the time at 2,048 rows. */
+   chunk meanwhile, on the vector units while the tiles multiply, rather than after the tiles' last products. */
 INLINE void amx_panel(const uint16_t *xs, int64_t kp, const uint16_t *panels, int64_t p, int64_t r, int blocks,
                       const amx_sums *done, amx_sums *next, const uint16_t *bias, uint16_t *out, int64_t m,
                       int64_t n) {
@@ -245,8 +233,11 @@ INLINE void amx_two_panels(const uint16_t *xs, int64_t kp, const uint16_t *panel
         _tile_loadd(7, b1 + d * step, 64);
         _tile_dpbf16ps(1, 4, 7);
     }
-    const int64_t row0[4] = {0, 0}, col0[4] = {p * PANEL, p * PANEL + PANEL};
-    amx_finish(2, row0, col0, bias, out, m, n);
+    float sums[2][16][PANEL] __attribute__((aligned(64)));
+    _tile_stored(0, sums[0], PANEL * 4);
+    _tile_stored(1, sums[1], PANEL * 4);
+    amx_store(sums[0], 0, p * PANEL, bias, out, m, n);
+    amx_store(sums[1], 0, (p + 1) * PANEL, bias, out, m, n);
 }
 
 static int amx_linear(const uint16_t *x, int64_t x_row, const uint16_t *panels, const uint16_t *bias, uint16_t *out,
