@@ -176,73 +176,79 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask=N
 
 def bench_decode(args, dtype: torch.dtype, copy_gbs: float) -> list[DecodeRow]:
     rows = []
-    hq, hkv, d, bs = args.num_q_heads, args.num_kv_heads, args.head_dim, args.block_size
-    scale = d ** -0.5
     elem = torch.empty(0, dtype=dtype).element_size()
     for batch in args.batches:
         for context in args.contexts:
-            kv_bytes = 2 * batch * context * hkv * d * elem
+            kv_bytes = 2 * batch * context * args.num_kv_heads * args.head_dim * elem
             if kv_bytes > args.kv_budget_gib * GIB:
                 print(f"  decode batch {batch} context {context}: skipped ({kv_bytes / GIB:.1f} GiB of KV > budget)")
                 continue
-            k = torch.randn(batch, hkv, context, d, device="cuda").to(dtype)
-            v = torch.randn(batch, hkv, context, d, device="cuda").to(dtype)
-            kc, vc, tables = paged_copy_of(k, v, bs)
-            q = torch.randn(batch, hq, d, device="cuda").to(dtype)
-            qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-            seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-            cfg = triton_ops.launch_config(batch, batch, hkv, hq // hkv, d, tables.shape[1] * bs,
-                                           torch.cuda.get_device_properties(0).multi_processor_count)
-
-            def paged(splits=None):
-                return triton_ops.unified_attention(q, kc, vc, tables, qsl, seq_lens, scale, num_splits=splits)
-
-            def contiguous():
-                return sdpa(q.unsqueeze(2), k, v, scale)
-
-            diff = (paged().float() - contiguous().squeeze(2).float()).abs().max().item()
-            paged_us, single_us, sdpa_us = bench_us(paged), bench_us(lambda: paged(1)), bench_us(contiguous)
-            kv_gbs = kv_bytes / (paged_us * 1e-6) / 1e9
-            rows.append(DecodeRow(batch, context, cfg.num_splits, paged_us, single_us, sdpa_us, kv_gbs,
-                                  kv_gbs / copy_gbs, paged_us / sdpa_us - 1, diff))
-            del k, v, kc, vc
-            torch.cuda.empty_cache()
+            rows.append(decode_point(args, dtype, batch, context, kv_bytes, copy_gbs))
+            torch.cuda.empty_cache()  # the point's tensors went with its frame
     return rows
+
+
+def decode_point(args, dtype: torch.dtype, batch: int, context: int, kv_bytes: int, copy_gbs: float) -> DecodeRow:
+    hq, hkv, d, bs = args.num_q_heads, args.num_kv_heads, args.head_dim, args.block_size
+    scale = d ** -0.5
+    k = torch.randn(batch, hkv, context, d, device="cuda").to(dtype)
+    v = torch.randn(batch, hkv, context, d, device="cuda").to(dtype)
+    kc, vc, tables = paged_copy_of(k, v, bs)
+    q = torch.randn(batch, hq, d, device="cuda").to(dtype)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    cfg = triton_ops.launch_config(batch, batch, hkv, hq // hkv, d, tables.shape[1] * bs,
+                                   torch.cuda.get_device_properties(0).multi_processor_count)
+
+    def paged(splits=None):
+        return triton_ops.unified_attention(q, kc, vc, tables, qsl, seq_lens, scale, num_splits=splits)
+
+    def contiguous():
+        return sdpa(q.unsqueeze(2), k, v, scale)
+
+    diff = (paged().float() - contiguous().squeeze(2).float()).abs().max().item()
+    paged_us, single_us, sdpa_us = bench_us(paged), bench_us(lambda: paged(1)), bench_us(contiguous)
+    kv_gbs = kv_bytes / (paged_us * 1e-6) / 1e9
+    return DecodeRow(batch, context, cfg.num_splits, paged_us, single_us, sdpa_us, kv_gbs, kv_gbs / copy_gbs,
+                     paged_us / sdpa_us - 1, diff)
 
 
 def bench_prefill(args, dtype: torch.dtype) -> list[PrefillRow]:
+    rows = []
+    for batch, chunk, context in args.prefill:
+        rows.append(prefill_point(args, dtype, batch, chunk, context))
+        torch.cuda.empty_cache()  # the point's tensors went with its frame
+    return rows
+
+
+def prefill_point(args, dtype: torch.dtype, batch: int, chunk: int, context: int) -> PrefillRow:
     from torch.nn.attention.bias import causal_lower_right
 
-    rows = []
     hq, hkv, d, bs = args.num_q_heads, args.num_kv_heads, args.head_dim, args.block_size
     scale = d ** -0.5
-    for batch, chunk, context in args.prefill:
-        total = -(-(context + chunk) // bs) * bs
-        k = torch.randn(batch, hkv, total, d, device="cuda").to(dtype)
-        v = torch.randn(batch, hkv, total, d, device="cuda").to(dtype)
-        kc, vc, tables = paged_copy_of(k, v, bs)
-        k, v = k[:, :, : context + chunk], v[:, :, : context + chunk]
-        q = torch.randn(batch * chunk, hq, d, device="cuda").to(dtype)
-        q4 = q.view(batch, chunk, hq, d).transpose(1, 2)
-        qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * chunk
-        seq_lens = torch.full((batch,), context + chunk, dtype=torch.int32, device="cuda")
-        mask = causal_lower_right(chunk, context + chunk)
+    total = -(-(context + chunk) // bs) * bs
+    k = torch.randn(batch, hkv, total, d, device="cuda").to(dtype)
+    v = torch.randn(batch, hkv, total, d, device="cuda").to(dtype)
+    kc, vc, tables = paged_copy_of(k, v, bs)
+    k, v = k[:, :, : context + chunk], v[:, :, : context + chunk]
+    q = torch.randn(batch * chunk, hq, d, device="cuda").to(dtype)
+    q4 = q.view(batch, chunk, hq, d).transpose(1, 2)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * chunk
+    seq_lens = torch.full((batch,), context + chunk, dtype=torch.int32, device="cuda")
+    mask = causal_lower_right(chunk, context + chunk)
 
-        def paged():
-            return triton_ops.paged_attention(q, kc, vc, tables, qsl, seq_lens, scale)
+    def paged():
+        return triton_ops.paged_attention(q, kc, vc, tables, qsl, seq_lens, scale)
 
-        def contiguous():
-            return sdpa(q4, k, v, scale, mask)
+    def contiguous():
+        return sdpa(q4, k, v, scale, mask)
 
-        expected = contiguous().transpose(1, 2).reshape(batch * chunk, hq, d)
-        diff = (paged().float() - expected.float()).abs().max().item()
-        paged_us, sdpa_us = bench_us(paged), bench_us(contiguous)
-        flops = 4 * batch * hq * d * (chunk * context + chunk * (chunk + 1) / 2)
-        rows.append(PrefillRow(batch, chunk, context, paged_us, sdpa_us, flops / (paged_us * 1e-6) / 1e12,
-                               flops / (sdpa_us * 1e-6) / 1e12, paged_us / sdpa_us - 1, diff))
-        del k, v, kc, vc
-        torch.cuda.empty_cache()
-    return rows
+    expected = contiguous().transpose(1, 2).reshape(batch * chunk, hq, d)
+    diff = (paged().float() - expected.float()).abs().max().item()
+    paged_us, sdpa_us = bench_us(paged), bench_us(contiguous)
+    flops = 4 * batch * hq * d * (chunk * context + chunk * (chunk + 1) / 2)
+    return PrefillRow(batch, chunk, context, paged_us, sdpa_us, flops / (paged_us * 1e-6) / 1e12,
+                      flops / (sdpa_us * 1e-6) / 1e12, paged_us / sdpa_us - 1, diff)
 
 
 def print_table(title: str, rows: list, formats: dict[str, str]) -> None:

@@ -4,7 +4,8 @@ on first use into one library and loaded with ctypes.
 Plain C with no torch headers, so a build takes about a second; the shared library is kept under
 `$PAGEDSERVE_CACHE_DIR` (default `~/.cache/pagedserve`), named by a hash of the sources, the flags and the
 CPU's features, and built to a temporary name then renamed, so workers starting together neither rebuild
-it nor load half a file. With no C compiler (or a failed build) `load()` returns None, logs why once, and
+it nor load half a file. A build also removes the libraries of other sources unused for a week (one per
+upgrade or edit would pile up). With no C compiler (or a failed build) `load()` returns None, logs why once, and
 the CPU attention keeps its torch path, bfloat16 linears oneDNN or float32 chunks for MKL, RMSNorm torch's.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -26,6 +28,7 @@ HERE = Path(__file__).parent
 SOURCES = (HERE / "cpu_attention.c", HERE / "cpu_linear.c", HERE / "cpu_norm.c")
 HEADERS = (HERE / "bf16.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fno-math-errno")
+STALE_S = 7 * 24 * 3600
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -52,6 +55,19 @@ def _build(compiler: str, target: Path) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    _remove_stale(target)
+
+
+def _remove_stale(target: Path) -> None:
+    """Other builds not touched for a week. A week, not at once: another checkout sharing the directory may be
+    about to load its own (and Linux keeps a loaded library mapped after it is removed)."""
+    now = time.time()
+    for old in target.parent.glob("cpu_kernels-*.so"):
+        try:
+            if old != target and now - old.stat().st_mtime > STALE_S:
+                old.unlink()
+        except OSError:
+            pass  # removed by another process meanwhile
 
 
 @functools.cache
@@ -66,7 +82,9 @@ def load() -> ctypes.CDLL | None:
     texts = [f.read_text() for f in SOURCES + HEADERS]
     key = hashlib.sha256("\0".join([*texts, compiler, *FLAGS, _cpu_features()]).encode()).hexdigest()
     target = _cache_dir() / f"cpu_kernels-{key[:16]}.so"
-    if not target.exists():
+    try:
+        os.utime(target)  # marks it used, for _remove_stale
+    except FileNotFoundError:
         try:
             _build(compiler, target)
         except (OSError, subprocess.CalledProcessError) as e:
@@ -74,6 +92,8 @@ def load() -> ctypes.CDLL | None:
             log.warning("building the CPU kernels failed (%s): the CPU attention and bfloat16 linears use torch",
                         str(detail).strip()[-500:])
             return None
+    except OSError:
+        pass  # a read-only cache directory: it stays unmarked
     lib = ctypes.CDLL(str(target))
     lib.paged_attention.restype = ctypes.c_int
     lib.paged_attention.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _PTR,

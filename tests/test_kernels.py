@@ -322,15 +322,24 @@ def test_step_attention_stores_then_attends(backend):
 
 def test_the_c_kernels_are_built_once_per_machine_and_missing_compilers_fall_back_to_torch(tmp_path, monkeypatch,
                                                                                            caplog):
-    """A fresh cache directory gets one shared library; a compiler that does not exist gives None (logged), and
-    the CPU backend's plan then uses the torch gathers."""
+    """A fresh cache directory gets one shared library, and a build removes other sources' libraries unused for a
+    week; a compiler that does not exist gives None (logged), and the CPU backend's plan then uses the torch
+    gathers."""
+    import os
+    import time
+
     from kernels import native
 
+    stale, recent = tmp_path / "cpu_kernels-0000000000000000.so", tmp_path / "cpu_kernels-1111111111111111.so"
+    stale.write_bytes(b"old"), recent.write_bytes(b"other checkout")
+    week_ago = time.time() - native.STALE_S - 60
+    os.utime(stale, (week_ago, week_ago))
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
     native.load.cache_clear()
     try:
         assert native.load() is not None
-        assert len(list(tmp_path.glob("cpu_kernels-*.so"))) == 1
+        assert not stale.exists() and recent.exists()
+        assert len(list(tmp_path.glob("cpu_kernels-*.so"))) == 2
         native.load.cache_clear()
         monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
         assert native.load() is None
