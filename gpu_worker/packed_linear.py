@@ -15,6 +15,9 @@ outputs then the same bits whatever the batch.
   32 ms against 6.7 ms in float32). Faster than MKL on a float32 copy at every size measured, at half the bytes.
 - "chunks": no compiler and no native bfloat16: the weights widened `CHUNK_ROWS` rows at a time for MKL (the
   worker keeps freed memory in its heap, so the chunks cost no page faults).
+
+Where cpu_linear.c packs a tied lm_head, the token embedding reads its rows from that packed weight
+(`PackedEmbedding`), so the vocabulary's weights are held once.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_worker.models.base import CausalLM
 from gpu_worker.models.layers import replace_modules
 from kernels import native
 
@@ -80,6 +84,24 @@ class NativeLinear(nn.Module):
         return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
 
 
+class PackedEmbedding(nn.Module):
+    """A tied model's token embedding, read from its lm_head's packed weight (kernels/cpu_linear.c): the
+    vocabulary's weights are held once, where the embedding and a packed copy for the lm_head took them twice."""
+
+    def __init__(self, lm_head: NativeLinear) -> None:
+        super().__init__()
+        self.packed, self.kernel, self.amx = lm_head.packed, lm_head.kernel, lm_head.amx
+        self.num_embeddings, self.embedding_dim = lm_head.out_features, lm_head.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(flat.numel(), self.embedding_dim, dtype=torch.bfloat16)
+        if self.kernel.bf16_unpack_rows(self.packed.data_ptr(), self.num_embeddings, self.embedding_dim,
+                                        flat.data_ptr(), flat.numel(), out.data_ptr(), self.amx):
+            raise IndexError(f"a token id is out of the vocabulary [0, {self.num_embeddings})")
+        return out.view(*ids.shape, self.embedding_dim)
+
+
 class ChunkedLinear(nn.Module):
     """A bfloat16 linear multiplied in float32 by MKL, its weight widened a chunk at a time (no C compiler, no
     native bfloat16)."""
@@ -131,7 +153,13 @@ def batch_invariant() -> bool:
     return linear_kind() in NATIVE_KINDS
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear of `model` (loaded, bfloat16, on the CPU) by its packed twin; how many."""
+def pack_linears(model: CausalLM) -> int:
+    """Replace every nn.Linear of `model` (loaded, bfloat16, on the CPU) by its packed twin; how many. A tied token
+    embedding then reads the lm_head's packed weight where cpu_linear.c packed it (oneDNN's packing is opaque,
+    and the chunks keep the embedding's own weight)."""
     kind = linear_kind()
-    return replace_modules(model, nn.Linear, lambda linear: twin(kind, linear))
+    count = replace_modules(model, nn.Linear, lambda linear: twin(kind, linear))
+    if model.tie_word_embeddings and isinstance(model.lm_head, NativeLinear):
+        parent, _, name = model.embedding_module.rpartition(".")
+        setattr(model.get_submodule(parent), name, PackedEmbedding(model.lm_head))
+    return count

@@ -298,24 +298,31 @@ int64_t bf16_packed_size(int64_t n, int64_t k, int amx) {
     return amx ? round_up(n, 2 * PANEL) * round_up(k, TILE_K) : round_up(n, PANEL) * k;
 }
 
-/* w [n, k] into `packed` (bf16_packed_size elements), in the layout bf16_linear reads with the same `amx`. */
+/* Where w[row][d] lies in the packed weight: panel p = row / PANEL, column c = row % PANEL; with AMX tiles at pair
+   d / 2, half d % 2 of panel p's [kp / 2][PANEL][2], else at input column d of its [k][PANEL]. */
+INLINE int64_t packed_at(int64_t row, int64_t d, int64_t k, int amx) {
+    const int64_t p = row / PANEL, c = row % PANEL;
+    if (amx) return p * round_up(k, TILE_K) * PANEL + (d / 2) * 2 * PANEL + c * 2 + d % 2;
+    return (p * k + d) * PANEL + c;
+}
+
+/* w [n, k] into `packed` (bf16_packed_size elements), in the layout bf16_linear reads with the same `amx`; the
+   padding (to whole panels, or pairs of panels and tile rows with AMX) zero. */
 void bf16_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed, int amx) {
-    if (amx) { /* panel p, pair r, column c, half j: w[p * PANEL + c][2 r + j]; whole pairs of panels */
-        const int64_t kp = round_up(k, TILE_K);
-        for (int64_t p = 0; p < round_up(n, 2 * PANEL) / PANEL; p++)
-            for (int64_t d = 0; d < kp; d++)
-                for (int64_t c = 0; c < PANEL; c++) {
-                    const int64_t row = p * PANEL + c, at = p * kp * PANEL + (d / 2) * 2 * PANEL + c * 2 + d % 2;
-                    packed[at] = row < n && d < k ? w[row * k + d] : 0;
-                }
-    } else { /* panel p, input column d, column c: w[p * PANEL + c][d] */
-        for (int64_t p = 0; p < round_up(n, PANEL) / PANEL; p++)
-            for (int64_t d = 0; d < k; d++)
-                for (int64_t c = 0; c < PANEL; c++) {
-                    const int64_t row = p * PANEL + c;
-                    packed[(p * k + d) * PANEL + c] = row < n ? w[row * k + d] : 0;
-                }
-    }
+    const int64_t rows = amx ? round_up(n, 2 * PANEL) : round_up(n, PANEL), cols = amx ? round_up(k, TILE_K) : k;
+    for (int64_t row = 0; row < rows; row++)
+        for (int64_t d = 0; d < cols; d++) packed[packed_at(row, d, k, amx)] = row < n && d < k ? w[row * k + d] : 0;
+}
+
+/* out [count, k] = the rows `ids` of the weight packed by bf16_pack with the same `amx` (a tied model's token
+   embedding, read from its lm_head). Returns 0, or -1 when an id is not in [0, n) (out then undefined). */
+int bf16_unpack_rows(const uint16_t *packed, int64_t n, int64_t k, const int64_t *ids, int64_t count, uint16_t *out,
+                     int amx) {
+    for (int64_t i = 0; i < count; i++)
+        if (ids[i] < 0 || ids[i] >= n) return -1;
+    for (int64_t i = 0; i < count; i++)
+        for (int64_t d = 0; d < k; d++) out[i * k + d] = packed[packed_at(ids[i], d, k, amx)];
+    return 0;
 }
 
 /* Returns 0; -1 when the copy of the input cannot be allocated; -2 when AMX is asked for and not granted. */

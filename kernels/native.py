@@ -106,6 +106,8 @@ def load() -> ctypes.CDLL | None:
     lib.bf16_packed_size.argtypes = [_I64, _I64, ctypes.c_int]
     lib.bf16_pack.restype = None
     lib.bf16_pack.argtypes = [_PTR, _I64, _I64, _PTR, ctypes.c_int]
+    lib.bf16_unpack_rows.restype = ctypes.c_int
+    lib.bf16_unpack_rows.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, ctypes.c_int]
     lib.bf16_rms_norm.restype = None
     lib.bf16_rms_norm.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_float]
     return lib

@@ -8,8 +8,8 @@ import pytest
 import torch
 from worker_oracle import prompts, single_thread, write_tiny  # noqa: F401 (fixture)
 
-from gpu_worker.packed_linear import (ChunkedLinear, NativeLinear, PackedLinear, available_kinds, linear_kind,
-                                      native_bfloat16, pack_linears, twin)
+from gpu_worker.packed_linear import (ChunkedLinear, NativeLinear, PackedEmbedding, PackedLinear, available_kinds,
+                                      linear_kind, native_bfloat16, pack_linears, twin)
 
 native_only = pytest.mark.skipif(not native_bfloat16(), reason="oneDNN has no native bfloat16 on this CPU")
 
@@ -59,6 +59,9 @@ def test_a_bfloat16_model_with_packed_linears_gives_the_same_logits(arch, tokens
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     kind = {"amx": NativeLinear, "fma": NativeLinear, "onednn": PackedLinear, "chunks": ChunkedLinear}[linear_kind()]
     assert any(isinstance(m, kind) for m in model.modules())
+    # tied (gpt2, opt, qwen2): the embedding reads the packed lm_head, so the vocabulary's weights are held once
+    shares = model.tie_word_embeddings and kind is NativeLinear
+    assert isinstance(model.get_submodule(model.embedding_module), PackedEmbedding) == shares
     if kind is PackedLinear:
         assert torch.equal(logits(), plain)
     else:  # sums in another order (and, widened, float32 sums where torch's fallback sums otherwise)
@@ -125,3 +128,26 @@ def test_a_row_alone_through_amx_tiles_gets_torchs_own_bfloat16_linear(n, k, bia
     with torch.inference_mode():
         for row in x.split(1):
             assert torch.equal(module(row), linear(row))
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_a_tied_embedding_reads_its_rows_from_the_packed_lm_head_bit_for_bit(amx):
+    """Both layouts of cpu_linear.c (packing needs no AMX, only multiplying does): every row of the vocabulary,
+    in any shape of ids, and an id out of the vocabulary is refused as nn.Embedding refuses it."""
+    from kernels import native
+
+    if native.load() is None:
+        pytest.skip("no C compiler: cpu_linear.c is not built")
+    torch.manual_seed(1)
+    embedding = torch.nn.Embedding(602, 772).to(torch.bfloat16)  # a part panel, a part tile row
+    lm_head = torch.nn.Linear(772, 602, bias=False).to(torch.bfloat16)
+    lm_head.weight = embedding.weight
+    shared = PackedEmbedding(NativeLinear(lm_head, native.load(), amx=amx))
+    with torch.inference_mode():
+        every = torch.arange(602)
+        assert torch.equal(shared(every), embedding(every))
+        ids = torch.tensor([[601, 0, 5], [5, 300, 17]])
+        assert torch.equal(shared(ids), embedding(ids))
+        for wrong in (602, -1):
+            with pytest.raises(IndexError, match="out of the vocabulary"):
+                shared(torch.tensor([3, wrong]))

@@ -133,13 +133,14 @@ def test_dtype_choice(tmp_path):
     assert resolve_dtype("auto", torch.device("cuda"), config) == torch.float16
 
 
-def test_a_bfloat16_worker_starts_on_any_cpu_and_picks_what_transformers_picks_in_bfloat16(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2's embedding is tied: read from the packed lm_head
+def test_a_bfloat16_worker_starts_on_any_cpu_and_picks_what_transformers_picks_in_bfloat16(arch, tmp_path):
     """Packing bfloat16 weights for oneDNN needs native bfloat16 (AVX-512 BF16, AMX): on an AVX2-only CPU the
     worker widens them in float32 instead of failing to start. Its first tokens are transformers' own
     bfloat16 argmax where that one is clear of the runner-up."""
     from transformers import AutoModelForCausalLM
 
-    model_dir = write_tiny("llama", tmp_path / "llama")
+    model_dir = write_tiny(arch, tmp_path / arch)
     batch = prompts([5, 11, 23, 30], seed=7)
     firsts = [tokens[0] for tokens in generate(worker_for(model_dir, dtype="bfloat16"), batch, 1)]
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
