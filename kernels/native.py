@@ -84,17 +84,17 @@ def load() -> ctypes.CDLL | None:
     target = _cache_dir() / f"cpu_kernels-{key[:16]}.so"
     try:
         os.utime(target)  # marks it used, for _remove_stale
-    except FileNotFoundError:
-        try:
-            _build(compiler, target)
-        except (OSError, subprocess.CalledProcessError) as e:
-            detail = getattr(e, "stderr", "") or e
-            log.warning("building the CPU kernels failed (%s): the CPU attention and bfloat16 linears use torch",
-                        str(detail).strip()[-500:])
-            return None
     except OSError:
-        pass  # a read-only cache directory: it stays unmarked
-    lib = ctypes.CDLL(str(target))
+        pass  # not built yet, or a read-only cache directory
+    try:
+        if not target.exists():
+            _build(compiler, target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.CalledProcessError) as e:  # a build failed, or another checkout removed it
+        detail = getattr(e, "stderr", "") or e
+        log.warning("building or loading the CPU kernels failed (%s): the CPU attention and bfloat16 linears use "
+                    "torch", str(detail).strip()[-500:])
+        return None
     lib.paged_attention.restype = ctypes.c_int
     lib.paged_attention.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _PTR,
                                     _I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int]

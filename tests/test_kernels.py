@@ -339,11 +339,18 @@ def test_the_c_kernels_are_built_once_per_machine_and_missing_compilers_fall_bac
     try:
         assert native.load() is not None
         assert not stale.exists() and recent.exists()
-        assert len(list(tmp_path.glob("cpu_kernels-*.so"))) == 2
+        built = set(tmp_path.glob("cpu_kernels-*.so")) - {recent}
+        assert len(built) == 1
+        library = built.pop()
+        os.utime(library, (week_ago, week_ago))
+        native.load.cache_clear()
+        assert native.load() is not None  # loaded again, not rebuilt, and marked used
+        assert set(tmp_path.glob("cpu_kernels-*.so")) == {library, recent}
+        assert library.stat().st_mtime > week_ago + native.STALE_S
         native.load.cache_clear()
         monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
         assert native.load() is None
-        assert "building the CPU kernels failed" in caplog.text
+        assert "building or loading the CPU kernels failed" in caplog.text
         batch = random_paged_batch(random.Random("no-cc"), [(5, 1), (30, 1)], 16, 64, 2, 1, torch.float32)
         attend = step_attention(cpu_attention, batch.slot_mapping, batch.block_tables, batch.query_start_loc,
                                 batch.seq_lens)

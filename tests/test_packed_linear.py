@@ -142,7 +142,16 @@ def test_a_tied_embedding_reads_its_rows_from_the_packed_lm_head_bit_for_bit(amx
     embedding = torch.nn.Embedding(602, 772).to(torch.bfloat16)  # a part panel, a part tile row
     lm_head = torch.nn.Linear(772, 602, bias=False).to(torch.bfloat16)
     lm_head.weight = embedding.weight
-    shared = PackedEmbedding(NativeLinear(lm_head, native.load(), amx=amx))
+    packed = NativeLinear(lm_head, native.load(), amx=amx)
+    # the layout itself, built with torch: panels of 16 rows, as [k][16], or with AMX as [k / 2][16][2] with k padded
+    # to 32 and the rows to pairs of panels (pack and unpack share one index function, so a round trip alone would
+    # not catch a wrong one)
+    rows, cols = (-(-602 // 32) * 32, -(-772 // 32) * 32) if amx else (-(-602 // 16) * 16, 772)
+    padded = torch.nn.functional.pad(embedding.weight.detach(), (0, cols - 772, 0, rows - 602))
+    layout = (padded.view(rows // 16, 16, cols // 2, 2).permute(0, 2, 1, 3) if amx
+              else padded.view(rows // 16, 16, cols).permute(0, 2, 1))
+    assert torch.equal(packed.packed, layout.flatten())
+    shared = PackedEmbedding(packed)
     with torch.inference_mode():
         every = torch.arange(602)
         assert torch.equal(shared(every), embedding(every))
