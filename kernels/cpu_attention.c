@@ -63,15 +63,16 @@ INLINE vec8 exp8_nonpositive(vec8 x) {
     const vec8 low = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f}, zero = {0};
     x = blend(x < low, low, x);
     x = blend(x > zero, zero, x);
-    /* n = round(x log2 e) by adding and taking away 1.5 · 2^23 (round to nearest) */
-    const vec8 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const vec8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vec8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const vec8 e = p * r * r + r + 1.0f;
+    /* n = round(x log2 e) by adding and taking away 1.5 · 2^23 (round to nearest); the multiply-adds written out,
+       as in the scores, so that every inlined copy rounds alike */
+    const vec8 n = fma8(x, splat(1.44269504088896341f), splat(12582912.0f)) - 12582912.0f;
+    const vec8 r = fma8(n, splat(2.12194440e-4f), fma8(n, splat(-0.693359375f), x));
+    vec8 p = fma8(r, splat(1.9875691500e-4f), splat(1.3981999507e-3f));
+    p = fma8(p, r, splat(8.3334519073e-3f));
+    p = fma8(p, r, splat(4.1665795894e-2f));
+    p = fma8(p, r, splat(1.6666665459e-1f));
+    p = fma8(p, r, splat(5.0000001201e-1f));
+    const vec8 e = fma8(p * r, r, r) + 1.0f;
     return e * (vec8)((__builtin_convertvector(n, lanes8) + 127) << 23);
 }
 
