@@ -160,6 +160,5 @@ def pack_linears(model: CausalLM) -> int:
     kind = linear_kind()
     count = replace_modules(model, nn.Linear, lambda linear: twin(kind, linear))
     if model.tie_word_embeddings and isinstance(model.lm_head, NativeLinear):
-        parent, _, name = model.embedding_module.rpartition(".")
-        setattr(model.get_submodule(parent), name, PackedEmbedding(model.lm_head))
+        model.set_submodule(model.embedding_module, PackedEmbedding(model.lm_head))
     return count

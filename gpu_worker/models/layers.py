@@ -44,8 +44,7 @@ def replace_modules(model: nn.Module, kind: type[nn.Module], make: Callable[[nn.
     """Replace every submodule of type `kind` by `make(it)`; how many."""
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, kind)]
     for name, module in targets:
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr, make(module))
+        model.set_submodule(name, make(module))
     return len(targets)
 
 
