@@ -29,6 +29,7 @@
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define HAVE_AMX 1
+#include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -159,38 +160,33 @@ INLINE void prefetch_chunk(const uint16_t *chunk) {
     for (int line = 0; line < 16; line++) __builtin_prefetch(chunk + line * 32, 0, 3);
 }
 
-/* A panel's sums, stored from its tiles, waiting for their rounding to out. */
-typedef struct {
-    float sums[4][16][PANEL];
-    int64_t row0, col0;
-    int blocks;
-} amx_sums;
+#define SLICE 8 /* chunks per slice of the input columns: 4 row blocks' slice is 32 KiB, kept in L1 */
+#define BLOCK_BYTES (768 * 1024) /* a block of panels, kept in L2 while every row group multiplies it */
 
-INLINE void amx_round(const amx_sums *done, int t, const uint16_t *bias, uint16_t *out, int64_t m, int64_t n) {
-    amx_store(done->sums[t], done->row0 + 16 * t, done->col0, bias, out, m, n);
-}
+/* A panel's partial sums: 4 tiles of 16 rows × 16 columns, parked between slices. */
+typedef float amx_part[4][16][PANEL];
 
-/* Row blocks [r, r + blocks) of the copy xs (blocks 1 to 4) against panel p, which streams from memory once:
-   tiles 0-3 the sums, 6 the panel's chunk, 4, 5 and 7 the rows' (4 again for a fourth block). Chunk d of row
-   block r is its 16 rows × 32 columns, 1 KiB at xs + 16 (r kp + 32 d); of a panel, 16 pairs × 16 columns at
-   panel + 512 d. The sums go to `next`; the previous panel's (`done`, or NULL) are rounded to out a tile per
-   chunk meanwhile, on the vector units while the tiles multiply, rather than after the tiles' last products. */
-INLINE void amx_panel(const uint16_t *xs, int64_t kp, const uint16_t *panels, int64_t p, int64_t r, int blocks,
-                      const amx_sums *done, amx_sums *next, const uint16_t *bias, uint16_t *out, int64_t m,
-                      int64_t n) {
-    const int64_t step = TILE_K * 16, chunks = kp / TILE_K; /* elements per chunk of a row block or a panel */
-    const uint16_t *b = panels + p * kp * PANEL, *a = xs + r * kp * 16;
-    /* this panel's lines of out, fetched for writing a few per chunk: written to cold, each line's store stalled
-       on reading it in (a third of the time at 2,048 rows) */
-    const int64_t lines = m - r * 16 < blocks * 16 ? m - r * 16 : blocks * 16, per = (lines + chunks - 1) / chunks;
-    uint16_t *mine = out + r * 16 * n + p * PANEL;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t d = 0; d < chunks; d++) {
-        prefetch_chunk(b + (d + AHEAD) * step);
-        for (int64_t i = d * per; i < (d + 1) * per && i < lines; i++) __builtin_prefetch(mine + i * n, 1, 3);
+/* Chunks [d0, d1) of `blocks` row blocks (1 to 4) of the copy xs from a, against one panel b: tiles 0-3 the
+   sums, taken from `part` (zero at the first slice) and put back, 6 the panel's chunk, 4, 5 and 7 the rows' (4
+   again for a fourth block). Chunk d of a row block is its 16 rows × 32 columns, 1 KiB at a + 16 (block kp + 32
+   d); of a panel, 16 pairs × 16 columns at b + 512 d. An earlier panel's finished sums (`done`, or NULL) are
+   rounded to out a tile per chunk meanwhile, on the vector units while the tiles multiply. */
+INLINE void amx_slice(const uint16_t *a, int64_t kp, const uint16_t *b, int blocks, int64_t d0, int64_t d1,
+                      amx_part *part, const amx_part *done, int64_t row0, int64_t done_col0, const uint16_t *bias,
+                      uint16_t *out, int64_t m, int64_t n) {
+    const int64_t step = TILE_K * 16; /* elements per chunk of a row block or a panel */
+    if (d0 == 0) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    } else { /* float32 sums out and back in unchanged: the order over the chunks is the unsliced one */
+        _tile_loadd(0, (*part)[0], PANEL * 4);
+        _tile_loadd(1, (*part)[1], PANEL * 4);
+        _tile_loadd(2, (*part)[2], PANEL * 4);
+        _tile_loadd(3, (*part)[3], PANEL * 4);
+    }
+    for (int64_t d = d0; d < d1; d++) {
         _tile_loadd(6, b + d * step, 64);
         _tile_loadd(4, a + d * step, 64);
         _tile_dpbf16ps(0, 4, 6);
@@ -206,14 +202,33 @@ INLINE void amx_panel(const uint16_t *xs, int64_t kp, const uint16_t *panels, in
             _tile_loadd(4, a + 3 * kp * 16 + d * step, 64);
             _tile_dpbf16ps(3, 4, 6);
         }
-        if (done && d < done->blocks) amx_round(done, (int)d, bias, out, m, n);
+        if (done && d - d0 < blocks) amx_store((*done)[d - d0], row0 + 16 * (d - d0), done_col0, bias, out, m, n);
     }
-    for (int64_t t = chunks; done && t < done->blocks; t++) amx_round(done, (int)t, bias, out, m, n);
-    _tile_stored(0, next->sums[0], PANEL * 4);
-    _tile_stored(1, next->sums[1], PANEL * 4);
-    _tile_stored(2, next->sums[2], PANEL * 4);
-    _tile_stored(3, next->sums[3], PANEL * 4);
-    next->row0 = r * 16, next->col0 = p * PANEL, next->blocks = blocks;
+    for (int64_t t = d1 - d0; done && t < blocks; t++) amx_store((*done)[t], row0 + 16 * t, done_col0, bias, out, m, n);
+    _tile_stored(0, (*part)[0], PANEL * 4);
+    _tile_stored(1, (*part)[1], PANEL * 4);
+    _tile_stored(2, (*part)[2], PANEL * 4);
+    _tile_stored(3, (*part)[3], PANEL * 4);
+}
+
+/* Panels [p0, p1) (`part` holds a partial sum per panel) against every row block: row groups of 4 blocks in
+   turn, each in slices of the input columns, the slice against every panel of the block. So the panels stream
+   from L2 and the rows' slice from L1, where a row group against one panel over all columns read its rows from
+   L2 (1.4× the time at 2,048 rows). */
+INLINE void amx_block(const uint16_t *xs, int64_t kp, int64_t blocks, const uint16_t *panels, int64_t p0,
+                      int64_t p1, amx_part *part, const uint16_t *bias, uint16_t *out, int64_t m, int64_t n) {
+    const int64_t chunks = kp / TILE_K;
+    for (int64_t r = 0; r < blocks; r += 4) {
+        const int rows = blocks - r < 4 ? (int)(blocks - r) : 4;
+        for (int64_t d0 = 0; d0 < chunks; d0 += SLICE) {
+            const int64_t d1 = d0 + SLICE < chunks ? d0 + SLICE : chunks;
+            for (int64_t p = p0; p < p1; p++) /* at the last slice, each panel rounds the one before */
+                amx_slice(xs + r * kp * 16, kp, panels + p * kp * PANEL, rows, d0, d1, part + (p - p0),
+                          d1 == chunks && p > p0 ? part + (p - 1 - p0) : NULL, r * 16, (p - 1) * PANEL, bias, out,
+                          m, n);
+        }
+        for (int t = 0; t < rows; t++) amx_store(part[p1 - 1 - p0][t], r * 16 + 16 * t, (p1 - 1) * PANEL, bias, out, m, n);
+    }
 }
 
 /* One row block (up to 16 rows: decode steps) against panels p and p + 1, two streams from memory at once, which
@@ -245,8 +260,16 @@ static int amx_linear(const uint16_t *x, int64_t x_row, const uint16_t *panels, 
     /* the rows copied in tile order, zero-padded to whole row blocks and whole tile rows: every tile is one KiB
        in a row, every load in bounds, and the padding adds exact zeros */
     const int64_t kp = round_up(k, TILE_K), blocks = round_up(m, 16) / 16, count = round_up(n, PANEL) / PANEL;
+    /* panels per block: at most BLOCK_BYTES, in a number of blocks the threads share evenly */
+    const int64_t most = BLOCK_BYTES / (kp * PANEL * 2) > 1 ? BLOCK_BYTES / (kp * PANEL * 2) : 1;
+    const int64_t width = (count + round_up((count + most - 1) / most, threads) - 1) / round_up((count + most - 1) / most, threads);
     uint16_t *xs = aligned_alloc(64, (size_t)(blocks * 16 * kp) * sizeof *xs);
-    if (!xs) return -1;
+    amx_part *parts = blocks > 1 ? aligned_alloc(64, (size_t)(threads * width) * sizeof *parts) : NULL;
+    if (!xs || (blocks > 1 && !parts)) {
+        free(xs);
+        free(parts);
+        return -1;
+    }
     for (int64_t i = 0; i < blocks * 16; i++)
         for (int64_t d = 0; d < kp; d += TILE_K) {
             uint16_t *dst = xs + (i / 16) * kp * 16 + d * 16 + (i % 16) * TILE_K;
@@ -263,20 +286,14 @@ static int amx_linear(const uint16_t *x, int64_t x_row, const uint16_t *panels, 
             #pragma omp for schedule(static)
             for (int64_t p = 0; p < count; p += 2) amx_two_panels(xs, kp, panels, p, bias, out, m, n);
         } else {
-            amx_sums twice[2] __attribute__((aligned(64))), *done = NULL; /* a panel's sums, and the one before */
-            for (int64_t r = 0; r < blocks; r += 4) {
-                const int rows = blocks - r < 4 ? (int)(blocks - r) : 4;
-                #pragma omp for schedule(static) nowait
-                for (int64_t p = 0; p < count; p++) {
-                    amx_sums *next = done == twice ? twice + 1 : twice;
-                    amx_panel(xs, kp, panels, p, r, rows, done, next, bias, out, m, n);
-                    done = next;
-                }
-            }
-            for (int t = 0; done && t < done->blocks; t++) amx_round(done, t, bias, out, m, n);
+            amx_part *part = parts + (size_t)omp_get_thread_num() * width;
+            #pragma omp for schedule(static)
+            for (int64_t p0 = 0; p0 < count; p0 += width)
+                amx_block(xs, kp, blocks, panels, p0, p0 + width < count ? p0 + width : count, part, bias, out, m, n);
         }
         _tile_release();
     }
+    free(parts);
     free(xs);
     return 0;
 }
