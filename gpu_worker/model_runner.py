@@ -90,7 +90,7 @@ class ModelRunner:
             next_block += b
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        self._forward(chunks, probe)[0].softmax(dim=-1)
+        self._forward(chunks, probe)[0].float().softmax(dim=-1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         del probe
@@ -100,7 +100,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _forward(self, chunks: list[tuple[SequenceState, int, int]], cache: CacheEngine,
                  extra_rows: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
-        """The logits of the rows sampled from, and of `extra_rows` (indices in the step's tokens)."""
+        """The logits of the rows sampled from, and of `extra_rows` (indices in the step's tokens), in the model's
+        dtype (a greedy step need not widen them)."""
         inputs = prepare_inputs(chunks, self.block_size, self.device)
         ctx = ForwardContext(cache.kv_caches, step_attention(self.backend, inputs.slot_mapping, inputs.block_tables,
                                                              inputs.query_start_loc, inputs.seq_lens))
@@ -108,7 +109,7 @@ class ModelRunner:
         rows = inputs.logits_indices
         if extra_rows:
             rows = torch.cat([rows, torch.tensor(extra_rows, dtype=rows.dtype, device=rows.device)])
-        logits = self.model.compute_logits(hidden[rows]).float()
+        logits = self.model.compute_logits(hidden[rows])
         return logits[:len(inputs.logits_indices)], logits[len(inputs.logits_indices):]
 
     @torch.inference_mode()
@@ -146,7 +147,7 @@ def _prompt_positions(chunks: list[tuple[SequenceState, int, int]]
 def _append_prompt_logprobs(wanted: list[tuple[SequenceState, int]], logits: torch.Tensor) -> None:
     """Each position's next prompt token: its logprob under the model's raw distribution, its rank, and the top
     k (the sequence's `prompt_logprobs`)."""
-    logprobs = logits.log_softmax(dim=-1)
+    logprobs = logits.float().log_softmax(dim=-1)
     targets = torch.tensor([seq.token_ids[p + 1] for seq, p in wanted], device=logits.device)
     chosen = logprobs.gather(1, targets[:, None])
     ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()

@@ -169,11 +169,12 @@ typedef float amx_part[4][16][PANEL];
 /* Chunks [d0, d1) of `blocks` row blocks (1 to 4) of the copy xs from a, against one panel b: tiles 0-3 the
    sums, taken from `part` (zero at the first slice) and put back, 6 the panel's chunk, 4, 5 and 7 the rows' (4
    again for a fourth block). Chunk d of a row block is its 16 rows × 32 columns, 1 KiB at a + 16 (block kp + 32
-   d); of a panel, 16 pairs × 16 columns at b + 512 d. An earlier panel's finished sums (`done`, or NULL) are
-   rounded to out a tile per chunk meanwhile, on the vector units while the tiles multiply. */
-INLINE void amx_slice(const uint16_t *a, int64_t kp, const uint16_t *b, int blocks, int64_t d0, int64_t d1,
-                      amx_part *part, const amx_part *done, int64_t row0, int64_t done_col0, const uint16_t *bias,
-                      uint16_t *out, int64_t m, int64_t n) {
+   d); of a panel, 16 pairs × 16 columns at b + 512 d, while chunk d at `ahead` is fetched for what comes next
+   (a prefetch past the weight's end is harmless). An earlier panel's finished sums (`done`, or NULL) are rounded
+   to out a tile per chunk meanwhile, on the vector units while the tiles multiply. */
+INLINE void amx_slice(const uint16_t *a, int64_t kp, const uint16_t *b, const uint16_t *ahead, int blocks,
+                      int64_t d0, int64_t d1, amx_part *part, const amx_part *done, int64_t row0, int64_t done_col0,
+                      const uint16_t *bias, uint16_t *out, int64_t m, int64_t n) {
     const int64_t step = TILE_K * 16; /* elements per chunk of a row block or a panel */
     if (d0 == 0) {
         _tile_zero(0);
@@ -187,6 +188,7 @@ INLINE void amx_slice(const uint16_t *a, int64_t kp, const uint16_t *b, int bloc
         _tile_loadd(3, (*part)[3], PANEL * 4);
     }
     for (int64_t d = d0; d < d1; d++) {
+        prefetch_chunk(ahead + d * step);
         _tile_loadd(6, b + d * step, 64);
         _tile_loadd(4, a + d * step, 64);
         _tile_dpbf16ps(0, 4, 6);
@@ -217,15 +219,20 @@ INLINE void amx_slice(const uint16_t *a, int64_t kp, const uint16_t *b, int bloc
    L2 (1.4× the time at 2,048 rows). */
 INLINE void amx_block(const uint16_t *xs, int64_t kp, int64_t blocks, const uint16_t *panels, int64_t p0,
                       int64_t p1, amx_part *part, const uint16_t *bias, uint16_t *out, int64_t m, int64_t n) {
-    const int64_t chunks = kp / TILE_K;
+    const int64_t chunks = kp / TILE_K, step = TILE_K * 16;
+    /* one row group (decode steps) reads each panel once: not sliced, the panels stream from memory one after
+       the other, fetched AHEAD chunks ahead; sliced, the next panel's slice is the one fetched */
+    const int64_t slice = blocks > 4 ? SLICE : chunks;
     for (int64_t r = 0; r < blocks; r += 4) {
         const int rows = blocks - r < 4 ? (int)(blocks - r) : 4;
-        for (int64_t d0 = 0; d0 < chunks; d0 += SLICE) {
-            const int64_t d1 = d0 + SLICE < chunks ? d0 + SLICE : chunks;
-            for (int64_t p = p0; p < p1; p++) /* at the last slice, each panel rounds the one before */
-                amx_slice(xs + r * kp * 16, kp, panels + p * kp * PANEL, rows, d0, d1, part + (p - p0),
-                          d1 == chunks && p > p0 ? part + (p - 1 - p0) : NULL, r * 16, (p - 1) * PANEL, bias, out,
-                          m, n);
+        for (int64_t d0 = 0; d0 < chunks; d0 += slice) {
+            const int64_t d1 = d0 + slice < chunks ? d0 + slice : chunks;
+            for (int64_t p = p0; p < p1; p++) { /* at the last slice, each panel rounds the one before */
+                const uint16_t *b = panels + p * kp * PANEL;
+                amx_slice(xs + r * kp * 16, kp, b, slice == chunks ? b + AHEAD * step : b + kp * PANEL, rows, d0,
+                          d1, part + (p - p0), d1 == chunks && p > p0 ? part + (p - 1 - p0) : NULL, r * 16,
+                          (p - 1) * PANEL, bias, out, m, n);
+            }
         }
         for (int t = 0; t < rows; t++) amx_store(part[p1 - 1 - p0][t], r * 16 + 16 * t, (p1 - 1) * PANEL, bias, out, m, n);
     }

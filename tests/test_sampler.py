@@ -8,7 +8,7 @@ import pytest
 import torch
 from worker_oracle import single_thread  # noqa: F401 (fixture)
 
-from gpu_worker.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k_top_p, mask_stop_tokens
+from gpu_worker.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k_top_p, argmax, mask_stop_tokens
 from gpu_worker.sequence import SequenceState
 from shared.sampling import SamplingParams
 
@@ -28,6 +28,36 @@ def kept(logits: torch.Tensor) -> list[list[int]]:
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     expected = probs * counts.sum()
     return float(((counts - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_argmax_picks_what_torchs_max_picks_first_maxima_and_nans_included(dtype):
+    """kernels/cpu_argmax.c (where it builds) against torch's own `max(dim=-1)`: vocabularies that are and are not
+    whole vectors, ties (bfloat16 has many), -inf rows, NaNs, and rows strided apart."""
+    torch.manual_seed(0)
+    for vocab in (1, 15, 16, 17, 1000, 32003):
+        logits = torch.randn(9, vocab).to(dtype)
+        logits[1] = float("-inf")
+        logits[2, vocab // 2:] = logits[2].max()  # a tie across the row's halves
+        logits[3, -1] = float("nan")
+        logits[4, vocab // 3] = float("nan")
+        logits[4, -1] = float("inf")
+        logits[5] = float("inf")
+        assert torch.equal(argmax(logits), logits.max(dim=-1).indices), vocab
+        wide = torch.randn(9, 2 * vocab).to(dtype)
+        assert torch.equal(argmax(wide[:, :vocab]), wide[:, :vocab].max(dim=-1).indices), vocab
+
+
+def test_greedy_tokens_are_the_same_from_bfloat16_logits_as_from_them_widened():
+    """The model runner hands the sampler its logits in the model's dtype; a greedy step without logprobs reads
+    them as they are, any other widens them first: the tokens are the same."""
+    torch.manual_seed(1)
+    logits = torch.randn(6, 5000).to(torch.bfloat16)
+    seqs = [seq(SamplingParams(temperature=0.0), seq_id=i) for i in range(6)]
+    with_logprobs = [seq(SamplingParams(temperature=0.0, logprobs=0), seq_id=i) for i in range(6)]
+    greedy = [t.token_id for t in Sampler(CPU, seed=0)(logits, seqs, [])]
+    assert greedy == [t.token_id for t in Sampler(CPU, seed=0)(logits.float(), with_logprobs, [])]
+    assert greedy == logits.float().max(dim=-1).indices.tolist()
 
 
 def test_top_k_keeps_the_k_largest_and_ties():
