@@ -3,7 +3,8 @@
    A task is a run of consecutive query rows of one sequence, the first seeing `len` keys and each next one more
    (a decode is a run of one). For each kv head, the group of query heads that share it walks the sequence's
    blocks once for the whole run; per block and row, the scores of the tokens that row sees (eight at a time),
-   one rescale of its running output (online softmax, block by block), then the weighted values. Each row's sums are
+   one rescale of its running output (online softmax, block by block), then the weighted values, each step for
+   the group's heads side by side. Each row's sums are
    taken in the same order whatever run it is in, so a token's output is the same bits whether it was decoded,
    prefilled whole, prefilled in chunks or recomputed after a preemption or a worker's restart. Arithmetic in
    float32 whatever the cache dtype (float32 or bfloat16); nothing is copied out of the cache. Built and loaded
@@ -119,37 +120,44 @@ INLINE void weigh_values(float *restrict a, float shrink, const float *restrict 
 
 /* One block of `count` tokens for the `group` query heads qf [group, dim]: keys and values are rows `stride`
    floats apart, readable in whole LANES of rows. Running max m, sum l and output acc [group, dim] are rescaled
-   once per block; a block's weights are summed in lanes, then in one tree. */
+   once per block; a block's weights are summed in lanes, then in one tree. Each step for every head of the group
+   before the next step: a head's steps depend on each other (the max, then the exponentials, then the values),
+   so one head at a time left the vector units waiting on each step's latency; the heads' are independent. */
 INLINE void attend_block(const float *restrict qf, const float *restrict k, const float *restrict v, int64_t stride,
-                         int64_t count, int64_t group, int64_t dim, float *restrict s, float *restrict acc,
-                         float *restrict m, float *restrict l) {
+                         int64_t count, int64_t group, int64_t dim, int64_t size, float *restrict s,
+                         float *restrict acc, float *restrict m, float *restrict l) {
     const vec8 none = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
     const vec8 zero = {0};
-    for (int64_t j = 0; j < group; j++) {
+    float top[group], shrink[group];
+    for (int64_t j = 0; j < group; j++) { /* s [group, size]: the scores, then the weights */
         vec8 high = none;
         for (int64_t t = 0; t < count; t += LANES) {
             const vec8 part = keep(scores8(qf + j * dim, k + t * stride, stride, dim), count - t, none);
-            memcpy(s + t, &part, sizeof part);
+            memcpy(s + j * size + t, &part, sizeof part);
             high = blend(part > high, part, high);
         }
-        float top = m[j];
-        for (int u = 0; u < LANES; u++) top = high[u] > top ? high[u] : top;
+        top[j] = m[j];
+        for (int u = 0; u < LANES; u++) top[j] = high[u] > top[j] ? high[u] : top[j];
+    }
+    for (int64_t j = 0; j < group; j++) {
         /* ~1e-38 at the first block (m is -inf), where acc and l are 0 */
-        const float shrink = exp8_nonpositive(splat(m[j] - top))[0];
+        shrink[j] = exp8_nonpositive(splat(m[j] - top[j]))[0];
         vec8 sums = zero;
         for (int64_t t = 0; t < count; t += LANES) {
-            const vec8 e = keep(exp8_nonpositive(load8(s + t) - top), count - t, zero);
-            memcpy(s + t, &e, sizeof e);
+            const vec8 e = keep(exp8_nonpositive(load8(s + j * size + t) - top[j]), count - t, zero);
+            memcpy(s + j * size + t, &e, sizeof e);
             sums += e;
         }
-        m[j] = top;
-        l[j] = l[j] * shrink + (((sums[0] + sums[1]) + (sums[2] + sums[3])) +
-                                ((sums[4] + sums[5]) + (sums[6] + sums[7])));
+        m[j] = top[j];
+        l[j] = l[j] * shrink[j] + (((sums[0] + sums[1]) + (sums[2] + sums[3])) +
+                                   ((sums[4] + sums[5]) + (sums[6] + sums[7])));
+    }
+    for (int64_t j = 0; j < group; j++) {
         /* the output eight vectors at a time (a head_dim's tail one at a time), in registers over the block */
         int64_t d = 0;
         for (; d + 8 * LANES <= dim; d += 8 * LANES)
-            weigh_values(acc + j * dim + d, shrink, s, v + d, stride, count, 8);
-        for (; d < dim; d += LANES) weigh_values(acc + j * dim + d, shrink, s, v + d, stride, count, 1);
+            weigh_values(acc + j * dim + d, shrink[j], s + j * size, v + d, stride, count, 8);
+        for (; d < dim; d += LANES) weigh_values(acc + j * dim + d, shrink[j], s + j * size, v + d, stride, count, 1);
     }
 }
 
@@ -168,7 +176,7 @@ INLINE void task(int dtype, const void *q, int64_t q_row, int64_t q_head, const 
     const int64_t group = heads / kv_heads, token_stride = kv_heads * dim, width = heads * dim;
     const int64_t last = len + span - 1; /* keys the run's last row sees */
     /* bfloat16 keys and values are widened a block and a head at a time into kb / vb */
-    float qf[span * width], acc[span * width], sc[block_size], m[span * heads], l[span * heads];
+    float qf[span * width], acc[span * width], sc[(heads / kv_heads) * block_size], m[span * heads], l[span * heads];
     float kb[dtype ? block_size * dim : 1], vb[dtype ? block_size * dim : 1];
     for (int64_t r = 0; r < span; r++)
         for (int64_t j = 0; j < heads; j++) {
@@ -206,8 +214,8 @@ INLINE void task(int dtype, const void *q, int64_t q_row, int64_t q_head, const 
                 const int64_t seen = len + r - start; /* the block's tokens row r sees */
                 if (seen <= 0) continue;
                 const int64_t at = r * heads + h * group;
-                attend_block(qf + at * dim, k, v, stride, seen < block_size ? seen : block_size, group, dim, sc,
-                             acc + at * dim, m + at, l + at);
+                attend_block(qf + at * dim, k, v, stride, seen < block_size ? seen : block_size, group, dim, block_size,
+                             sc, acc + at * dim, m + at, l + at);
             }
         }
     }
