@@ -161,11 +161,15 @@ INLINE void attend_block(const float *restrict qf, const float *restrict k, cons
     }
 }
 
-/* Ask for a block's keys and values before they are needed: the arithmetic of one block then hides the memory
-   latency of the next, which the hardware prefetcher does not foresee (blocks lie anywhere in the cache). */
+/* Ask for a block's keys and values before they are needed, into L2: the arithmetic of one block then hides the
+   memory latency of a later one, which the hardware prefetcher does not foresee (blocks lie anywhere in the
+   cache). Two blocks ahead, into L2 rather than L1: 0.94x the time of one block ahead into L1, with a cache of
+   100 MB read from memory. */
 INLINE void prefetch(const char *p, int64_t bytes) {
-    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(p + at, 0, 3);
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(p + at, 0, 1);
 }
+
+#define AHEAD 2 /* blocks */
 
 /* One task: `span` query rows from `row` on, the first seeing `len` keys of the sequence. Block by block, every kv
    head in turn, so that a block's keys and values are read from memory once for the run (a token's heads sit
@@ -188,15 +192,16 @@ INLINE void task(int dtype, const void *q, int64_t q_row, int64_t q_head, const 
             l[r * heads + j] = 0.0f;
         }
     memset(acc, 0, sizeof acc);
-    /* the next block is prefetched a share per kv head: all at once would stall on the line fill buffers */
+    /* a later block is prefetched a share per kv head (all at once would stall on the memory queues): AHEAD
+       blocks on, and the blocks between at the first */
     const int64_t share = block_size * dim * (dtype ? 2 : 4), block_bytes = share * kv_heads;
     for (int64_t start = 0; start < last; start += block_size) {
         const int64_t count = last - start < block_size ? last - start : block_size;
-        const int64_t next = start + block_size < last ? (int64_t)table[start / block_size + 1] * block_bytes : -1;
         for (int64_t h = 0; h < kv_heads; h++) {
-            if (next >= 0) {
-                prefetch((const char *)kc + next + h * share, share);
-                prefetch((const char *)vc + next + h * share, share);
+            for (int64_t b = start ? AHEAD : 1; b <= AHEAD && start + b * block_size < last; b++) {
+                const int64_t next = (int64_t)table[start / block_size + b] * block_bytes + h * share;
+                prefetch((const char *)kc + next, share);
+                prefetch((const char *)vc + next, share);
             }
             const int64_t first = (int64_t)table[start / block_size] * block_size * token_stride + h * dim;
             const float *k = kb, *v = vb;
