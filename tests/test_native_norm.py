@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from worker_oracle import prompts, write_tiny
+from worker_oracle import bf16_step, prompts, write_tiny
 
 from gpu_worker import native_norm
 from gpu_worker.models.layers import RMSNorm
@@ -26,12 +26,6 @@ def norm_of(size: int, seed: int) -> RMSNorm:
     norm = RMSNorm(size, 1e-5)
     norm.weight.data = torch.randn(size, generator=torch.Generator().manual_seed(seed))
     return norm
-
-
-def bf16_step(x: torch.Tensor) -> torch.Tensor:
-    """The distance from each bfloat16 value to the next one up in magnitude."""
-    exponent = torch.floor(torch.log2(x.float().abs().clamp_min(2.0 ** -126)))
-    return torch.exp2(exponent - 7)
 
 
 @pytest.mark.parametrize("size", [64, 100, 256, 768])  # a q/k norm's head; not a multiple of 16; two hidden sizes

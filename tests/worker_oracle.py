@@ -84,6 +84,12 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
     return [oracle.greedy(p, max_new_tokens) for p in prompts]
 
 
+def bf16_step(x: torch.Tensor) -> torch.Tensor:
+    """The distance from each bfloat16 value to the next one up in magnitude."""
+    exponent = torch.floor(torch.log2(x.float().abs().clamp_min(2.0 ** -126)))
+    return torch.exp2(exponent - 7)
+
+
 def prompts(lengths: list[int], vocab: int = VOCAB, seed: int = 1) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in lengths]

@@ -40,9 +40,10 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return ACTIVATIONS[name]
 
 
-def replace_modules(model: nn.Module, kind: type[nn.Module], make: Callable[[nn.Module], nn.Module]) -> int:
-    """Replace every submodule of type `kind` by `make(it)`; how many."""
-    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, kind)]
+def replace_modules(model: nn.Module, kind: type[nn.Module], make: Callable[[nn.Module], nn.Module],
+                    where: Callable[[nn.Module], bool] = lambda module: True) -> int:
+    """Replace every submodule of type `kind` (for which `where` holds) by `make(it)`; how many."""
+    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, kind) and where(module)]
     for name, module in targets:
         model.set_submodule(name, make(module))
     return len(targets)

@@ -1,0 +1,89 @@
+"""The gated MLP's activation through kernels/cpu_act.c: torch's own `F.silu(gate) * up` in bfloat16 is the
+oracle (float32 arithmetic, rounded after each op); the kernel's exponential is another within-1-ulp one, so an
+output may be one bfloat16 step away from torch's, rarely, and a row's outputs do not depend on the batch."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from worker_oracle import bf16_step, prompts, write_tiny
+
+from gpu_worker import native_mlp
+from gpu_worker.models.layers import GatedMLP
+from gpu_worker.native_mlp import NativeGatedMLP, swap_mlps
+from kernels import native
+
+
+@pytest.fixture
+def kernel():
+    lib = native.load()
+    if lib is None or not lib.bf16_silu_mul_vectorized():
+        pytest.skip("no C compiler or no AVX-512 here")
+    return lib
+
+
+def torchs(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@pytest.mark.parametrize("n", [2048, 100, 8])  # whole vectors; a tail; the tail alone
+def test_the_native_activation_is_torchs_within_one_bfloat16_step(kernel, n):
+    torch.manual_seed(n)
+    gate_up = (torch.randn(300, 2 * n) * 4).to(torch.bfloat16)
+    special = torch.tensor([0.0, -0.0, 1e-40, 30.0, -30.0, 90.0, -90.0, 88.5, -88.5, float("inf"), -float("inf"),
+                            float("nan")])
+    gate_up[:len(special), 0] = special  # as gates, beside ordinary ups
+    gate_up[:len(special), n] = 3.0
+    expected = torchs(gate_up)
+    out = NativeGatedMLP(GatedMLP(4, n, "silu", False), kernel).activate(gate_up)
+    assert out.dtype == torch.bfloat16 and out.shape == expected.shape
+    assert torch.equal(out.isnan(), expected.isnan())
+    finite = expected.isfinite()
+    assert torch.equal(out[~finite & ~expected.isnan()], expected[~finite & ~expected.isnan()])
+    assert ((out.float() - expected.float()).abs()[finite] <= bf16_step(expected)[finite]).all()
+    assert (out == expected)[finite].float().mean() > 0.999
+
+
+def test_a_rows_activation_is_the_same_bits_in_any_batch_and_from_strided_views(kernel):
+    act = NativeGatedMLP(GatedMLP(4, 64, "silu", False), kernel).activate
+    gate_up = (torch.randn(20, 256) * 3).to(torch.bfloat16)[:, :128]  # rows 256 apart: the kernel's row stride
+    batch = act(gate_up)
+    assert torch.equal(batch, act(gate_up.contiguous()))
+    assert torch.equal(act(gate_up.reshape(4, 5, 128)), batch.reshape(4, 5, 64))
+    for i in range(20):
+        assert torch.equal(act(gate_up[i:i + 1]), batch[i:i + 1])
+    with pytest.raises(TypeError, match="bfloat16"):
+        act(gate_up.float())
+
+
+def test_a_bfloat16_model_with_native_mlps_gives_torchs_logits_within_rounding(kernel, tmp_path):
+    from gpu_worker.loader import load_config, load_model
+    from gpu_worker.models.layers import ForwardContext
+
+    model_dir = write_tiny("llama", tmp_path / "llama")
+    model = load_model(model_dir, load_config(model_dir), 64, torch.device("cpu"), torch.bfloat16, progress=False)
+    ids = torch.tensor(prompts([12])[0])
+
+    def logits() -> torch.Tensor:
+        def attend(q, k, v, key_cache, value_cache, scale):
+            out = F.scaled_dot_product_attention(q.transpose(0, 1).float(), k.transpose(0, 1).float(),
+                                                 v.transpose(0, 1).float(), is_causal=True, scale=scale,
+                                                 enable_gqa=q.shape[1] != k.shape[1])
+            return out.transpose(0, 1).to(q.dtype)
+        with torch.inference_mode():
+            return model.compute_logits(model(ids, torch.arange(len(ids)), ForwardContext([(None, None)] * 8, attend)))
+
+    plain = logits()
+    mlps = sum(isinstance(m, GatedMLP) for m in model.modules())
+    assert swap_mlps(model) == mlps > 1
+    assert not any(isinstance(m, GatedMLP) for m in model.modules())
+    torch.testing.assert_close(logits(), plain, atol=0.05, rtol=0.02)
+
+
+def test_other_activations_and_a_missing_compiler_keep_torchs(monkeypatch, kernel):
+    gelu = torch.nn.Sequential(GatedMLP(8, 16, "gelu", False))
+    assert swap_mlps(gelu) == 0 and isinstance(gelu[0], GatedMLP)
+    silu = torch.nn.Sequential(GatedMLP(8, 16, "silu", False))
+    monkeypatch.setattr(native_mlp.native, "load", lambda: None)
+    assert swap_mlps(silu) == 0 and isinstance(silu[0], GatedMLP)
