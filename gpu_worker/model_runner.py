@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker import cpu_setup, native_mlp, native_norm, packed_linear
+from gpu_worker import cpu_setup, native_mlp, native_norm, native_rotary, packed_linear
 from gpu_worker.cache_engine import CacheEngine, CacheShape, kv_cache_blocks
 from gpu_worker.input_batch import prepare_inputs
 from gpu_worker.loader import load_config, load_model, resolve_dtype
@@ -49,6 +49,7 @@ class ModelRunner:
             packed_linear.pack_linears(self.model)
             native_norm.swap_norms(self.model)
             native_mlp.swap_mlps(self.model)
+            native_rotary.swap_rotaries(self.model)
             log.info("bfloat16 linears: %s", packed_linear.KINDS[packed_linear.linear_kind()])
         layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         self.cache_shape = CacheShape(len(layers), layers[0].num_kv_heads, layers[0].head_dim, self.block_size,

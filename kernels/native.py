@@ -1,5 +1,6 @@
 """The CPU kernels (kernels/cpu_attention.c, kernels/cpu_linear.c, kernels/cpu_norm.c, kernels/cpu_act.c,
-kernels/cpu_argmax.c), compiled for this machine on first use into one library and loaded with ctypes.
+kernels/cpu_rotary.c, kernels/cpu_argmax.c), compiled for this machine on first use into one library and loaded
+with ctypes.
 
 Plain C with no torch headers, so a build takes about a second; the shared library is kept under
 `$PAGEDSERVE_CACHE_DIR` (default `~/.cache/pagedserve`), named by a hash of the sources, the flags and the
@@ -7,7 +8,7 @@ CPU's features, and built to a temporary name then renamed, so workers starting 
 it nor load half a file. A build also removes the libraries of other sources unused for a week (one per
 upgrade or edit would pile up). With no C compiler (or a failed build) `load()` returns None, logs why once, and
 the CPU attention keeps its torch path, bfloat16 linears oneDNN or float32 chunks for MKL, RMSNorm, the MLP's
-activation and greedy sampling torch's.
+activation, the rotary embedding and greedy sampling torch's.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "cpu_attention.c", HERE / "cpu_linear.c", HERE / "cpu_norm.c", HERE / "cpu_act.c",
-           HERE / "cpu_argmax.c")
+           HERE / "cpu_rotary.c", HERE / "cpu_argmax.c")
 HEADERS = (HERE / "bf16.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fno-math-errno")
 STALE_S = 7 * 24 * 3600
@@ -116,6 +117,10 @@ def load() -> ctypes.CDLL | None:
     lib.bf16_silu_mul_vectorized.argtypes = []
     lib.bf16_silu_mul.restype = None
     lib.bf16_silu_mul.argtypes = [_PTR, _I64, _PTR, _I64, _I64]
+    lib.bf16_rotary_vectorized.restype = ctypes.c_int
+    lib.bf16_rotary_vectorized.argtypes = []
+    lib.bf16_rotary.restype = ctypes.c_int
+    lib.bf16_rotary.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64]
     lib.rows_argmax.restype = ctypes.c_int
     lib.rows_argmax.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _I64, _PTR]
     return lib

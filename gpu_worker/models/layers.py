@@ -133,6 +133,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
+class Rotary(nn.Module):
+    """apply_rotary as a module of the attention, so that the CPU's bfloat16 path can swap in its native twin
+    (gpu_worker/native_rotary.py)."""
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return apply_rotary(x, cos, sin)
+
+
 class PagedAttention(nn.Module):
     """Write this step's keys/values into the paged cache, then attend over each sequence's pages."""
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from gpu_worker.models.base import CausalLM
 from gpu_worker.models.layers import (ForwardContext, GatedMLP, MergedLinear, PagedAttention, RMSNorm,
-                                      RotaryEmbedding, apply_rotary)
+                                      Rotary, RotaryEmbedding)
 
 
 def _head_dim(config: Any) -> int:
@@ -36,16 +36,17 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.attn = PagedAttention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        self.rotary = Rotary()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         qkv = self.qkv_proj(x).view(x.shape[0], self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         heads = self.num_heads
         if self.q_norm is None:  # q and k side by side: one rotation for both
-            qk = apply_rotary(qkv[:, :heads + self.num_kv_heads], cos, sin)
+            qk = self.rotary(qkv[:, :heads + self.num_kv_heads], cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
         else:
-            q = apply_rotary(self.q_norm(qkv[:, :heads]), cos, sin)
-            k = apply_rotary(self.k_norm(qkv[:, heads:heads + self.num_kv_heads]), cos, sin)
+            q = self.rotary(self.q_norm(qkv[:, :heads]), cos, sin)
+            k = self.rotary(self.k_norm(qkv[:, heads:heads + self.num_kv_heads]), cos, sin)
         return self.o_proj(self.attn(q, k, qkv[:, heads + self.num_kv_heads:], ctx))
 
 

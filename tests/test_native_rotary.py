@@ -1,0 +1,70 @@
+"""The rotary embedding through kernels/cpu_rotary.c against torch's own bfloat16 ops (layers.apply_rotary):
+the same products, sum and roundings, so the same bits, for strided and contiguous heads; head sizes the kernel
+leaves to torch stay torch's."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from worker_oracle import prompts, write_tiny
+
+from gpu_worker import native_rotary
+from gpu_worker.models.layers import Rotary, RotaryEmbedding, apply_rotary
+from gpu_worker.native_rotary import NativeRotary, swap_rotaries
+from kernels import native
+
+
+@pytest.fixture
+def kernel():
+    lib = native.load()
+    if lib is None or not lib.bf16_rotary_vectorized():
+        pytest.skip("no C compiler or no AVX-512 here")
+    return lib
+
+
+@pytest.mark.parametrize("tokens,dim", [(300, 64), (7, 128), (5, 80)])  # 80: a head size left to torch
+def test_the_native_rotary_is_torchs_bit_for_bit(kernel, tokens, dim):
+    torch.manual_seed(dim)
+    emb = RotaryEmbedding(dim, {"rope_type": "default", "rope_theta": 10000.0})
+    qkv = (torch.randn(tokens, 20, dim) * 3).to(torch.bfloat16)
+    qkv[0, 0, :4] = torch.tensor([float("nan"), float("inf"), -0.0, 1e-40])
+    cos, sin = emb(torch.arange(tokens) * 37 + 5, torch.bfloat16)
+    rotary = NativeRotary(kernel)
+    for x in (qkv[:, :16], qkv[:, 4:8].contiguous()):  # the q|k heads of a fused projection; a q_norm's output
+        expected = apply_rotary(x, cos, sin)
+        out = rotary(x, cos, sin)
+        assert out.shape == expected.shape
+        assert torch.equal(out.isnan(), expected.isnan())
+        assert torch.equal(out.nan_to_num(), expected.nan_to_num())
+    with pytest.raises(TypeError, match="bfloat16"):
+        rotary(qkv.float(), cos, sin)
+
+
+def test_a_bfloat16_model_with_native_rotaries_gives_the_same_logits(kernel, tmp_path):
+    from gpu_worker.loader import load_config, load_model
+    from gpu_worker.models.layers import ForwardContext
+
+    model_dir = write_tiny("qwen3", tmp_path / "qwen3")  # q and k rotated apart, after their norms
+    model = load_model(model_dir, load_config(model_dir), 64, torch.device("cpu"), torch.bfloat16, progress=False)
+    ids = torch.tensor(prompts([12])[0])
+
+    def logits() -> torch.Tensor:
+        def attend(q, k, v, key_cache, value_cache, scale):
+            out = F.scaled_dot_product_attention(q.transpose(0, 1).float(), k.transpose(0, 1).float(),
+                                                 v.transpose(0, 1).float(), is_causal=True, scale=scale,
+                                                 enable_gqa=q.shape[1] != k.shape[1])
+            return out.transpose(0, 1).to(q.dtype)
+        with torch.inference_mode():
+            return model.compute_logits(model(ids, torch.arange(len(ids)), ForwardContext([(None, None)] * 8, attend)))
+
+    plain = logits()
+    rotaries = sum(isinstance(m, Rotary) for m in model.modules())
+    assert swap_rotaries(model) == rotaries > 1
+    assert not any(isinstance(m, Rotary) for m in model.modules())
+    assert torch.equal(logits(), plain)
+
+
+def test_without_a_compiler_the_rotaries_stay_torchs(monkeypatch):
+    model = torch.nn.Sequential(Rotary())
+    monkeypatch.setattr(native_rotary.native, "load", lambda: None)
+    assert swap_rotaries(model) == 0 and isinstance(model[0], Rotary)
