@@ -51,9 +51,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from gpu_worker.cpu_setup import reuse_freed_memory
     from gpu_worker.packed_linear import available_kinds, twin
 
     torch.set_num_threads(1)
+    reuse_freed_memory()  # as the worker does: a large call's scratch is not page-faulted in afresh each time
     have = [kind for kind in ORDER if kind in available_kinds()]
     ways = args.ways.split(",") if args.ways else have
     missing = [w for w in ways if w not in have]
