@@ -46,9 +46,9 @@ class ModelRunner:
         free_before, total = torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else (0, 0)
         self.model = load_model(model_dir, config, self.max_model_len, self.device, self.dtype, progress)
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            native_mlp.swap_mlps(self.model)  # first: the gate|up projection is packed gated where it can be
             packed_linear.pack_linears(self.model)
             native_norm.swap_norms(self.model)
-            native_mlp.swap_mlps(self.model)
             native_rotary.swap_rotaries(self.model)
             log.info("bfloat16 linears: %s", packed_linear.KINDS[packed_linear.linear_kind()])
         layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]

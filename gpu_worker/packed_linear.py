@@ -54,16 +54,26 @@ class PackedLinear(nn.Module):
 
 
 class NativeLinear(nn.Module):
-    """A bfloat16 linear through kernels/cpu_linear.c, with AMX tiles (`amx`) or float32 fused multiply-adds."""
+    """A bfloat16 linear through kernels/cpu_linear.c, with AMX tiles (`amx`) or float32 fused multiply-adds.
 
-    def __init__(self, linear: nn.Linear, kernel: ctypes.CDLL, amx: bool) -> None:
+    `gated` (AMX tiles only): `linear` is a merged gate|up projection, and the module gives silu(gate) * up, the
+    activation in the kernel's epilogue (kernels/silu.h: the bits of the projection and kernels/cpu_act.c apart),
+    so the projection's output, twice the activation's, is neither written out nor read back."""
+
+    def __init__(self, linear: nn.Linear, kernel: ctypes.CDLL, amx: bool, gated: bool = False) -> None:
         super().__init__()
-        self.in_features, self.out_features = k, n = linear.in_features, linear.out_features
-        self.kernel, self.amx = kernel, int(amx)
-        weight = linear.weight.detach().to(torch.bfloat16).contiguous()
-        self.packed = torch.empty(kernel.bf16_packed_size(n, k, self.amx), dtype=torch.bfloat16)
-        kernel.bf16_pack(weight.data_ptr(), n, k, self.packed.data_ptr(), self.amx)
-        self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).contiguous()
+        if gated and not amx:
+            raise ValueError("a gated NativeLinear needs AMX tiles")
+        weight = linear.weight.detach().to(torch.bfloat16)
+        bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
+        if gated:
+            weight, bias = _in_pairs(weight), None if bias is None else _in_pairs(bias)
+        self.in_features, self.out_features = k, n = linear.in_features, linear.out_features // (2 if gated else 1)
+        self.kernel, self.amx, self.gated = kernel, int(amx), int(gated)
+        weight = weight.contiguous()
+        self.packed = torch.empty(kernel.bf16_packed_size(weight.shape[0], k, self.amx), dtype=torch.bfloat16)
+        kernel.bf16_pack(weight.data_ptr(), weight.shape[0], k, self.packed.data_ptr(), self.amx)
+        self.bias = None if bias is None else bias.contiguous()
         self._weights = (self.packed.data_ptr(), None if self.bias is None else self.bias.data_ptr())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -76,12 +86,23 @@ class NativeLinear(nn.Module):
         m = rows.shape[0]
         out = torch.empty(m, self.out_features, dtype=torch.bfloat16)
         code = self.kernel.bf16_linear(rows.data_ptr(), rows.stride(0), *self._weights, out.data_ptr(), m,
-                                       self.out_features, self.in_features, torch.get_num_threads(), self.amx)
+                                       self.out_features, self.in_features, torch.get_num_threads(), self.amx,
+                                       self.gated)
         if code:
             raise MemoryError(f"cpu_linear.c could not allocate the copy of {m} × {self.in_features} inputs") \
                 if code == -1 else RuntimeError("cpu_linear.c: AMX tiles asked for and not granted")
         out = out.view(*x.shape[:-1], self.out_features)
         return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
+
+
+def _in_pairs(rows: torch.Tensor) -> torch.Tensor:
+    """A merged gate|up weight [2n, k] (or bias [2n]) as cpu_linear.c's gated linear reads it: 16 rows of gate,
+    the same 16 of up, and so on, each half padded with zeros to a multiple of 16 rows."""
+    gate, up = rows.chunk(2)
+    pad = -gate.shape[0] % 16
+    tail = rows.shape[1:]
+    halves = [torch.cat([half, half.new_zeros(pad, *tail)]).view(-1, 16, *tail) for half in (gate, up)]
+    return torch.stack(halves, dim=1).reshape(-1, *tail)
 
 
 class PackedEmbedding(nn.Module):

@@ -1,81 +1,15 @@
-/* The gated MLP's activation of bfloat16 rows on the CPU: out = silu(gate) * up, gate and up the two halves of
-   the merged gate|up projection's row. As torch computes `F.silu(gate) * up` for bfloat16: silu in float32 as
-   gate / (1 + exp(-gate)), rounded to bfloat16, then the product in float32, rounded again. The exponential is
-   Cephes' expf (within 1 ulp, as torch's Sleef one is, though not always the same ulp): an output may differ from
-   torch's by one bfloat16 step, rarely. One pass where torch makes two over a strided view, each element alone: a
+/* The gated MLP's activation of bfloat16 rows on the CPU: out = silu(gate) * up (kernels/silu.h: as torch
+   computes it for bfloat16, an output rarely one bfloat16 step from torch's), gate and up the two halves of the
+   merged gate|up projection's row. One pass where torch makes two over a strided view, each element alone: a
    row's output does not depend on the batch. Sixteen lanes of AVX-512 at a time (`bf16_silu_mul_vectorized`:
-   elsewhere the scalar loop alone would be slower than torch, and gpu_worker/native_mlp.py keeps torch's). Built
-   and loaded by kernels/native.py.
+   elsewhere the scalar loop alone would be slower than torch, and gpu_worker/native_mlp.py keeps torch's). Where
+   the linears run on AMX tiles the projection's epilogue does this itself (kernels/cpu_linear.c, `gated`).
+   Built and loaded by kernels/native.py.
 
    Layouts: x [m, 2n] bfloat16 with a row stride, each row gate then up, contiguous; out [m, n] contiguous. */
-#include <math.h>
 #include <stdint.h>
-#include <string.h>
 
-#include "bf16.h"
-
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
-
-#define MIN_ARG -87.3f       /* below, e^x stays near 2^-126: beside the 1 it is added to, nothing */
-#define OVERFLOW 88.7228391f /* expf's overflow to infinity */
-
-/* e^x: x = n ln 2 + r, a degree-6 polynomial for e^r, times 2^n in two exact halves (2^n alone is no float at
-   n = 128, below the overflow) */
-static inline float exp1(float x) {
-    if (x > OVERFLOW) return INFINITY;
-    x = x < MIN_ARG ? MIN_ARG : x;
-    const float n = nearbyintf(x * 1.44269504088896341f);
-    const float r = fmaf(n, 2.12194440e-4f, fmaf(n, -0.693359375f, x));
-    float p = fmaf(r, 1.9875691500e-4f, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
-    const float e = fmaf(p * r, r, r) + 1.0f;
-    const int32_t half = (int32_t)n >> 1;
-    const uint32_t bits[2] = {(uint32_t)(half + 127) << 23, (uint32_t)((int32_t)n - half + 127) << 23};
-    float scale[2];
-    memcpy(scale, bits, sizeof scale);
-    return e * scale[0] * scale[1];
-}
-
-#ifdef __AVX512F__
-/* exp1 on sixteen lanes, the same operations in the same order */
-static inline __m512 exp16(__m512 x) {
-    const __mmask16 over = _mm512_cmp_ps_mask(x, _mm512_set1_ps(OVERFLOW), _CMP_GT_OQ);
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(MIN_ARG)), _mm512_set1_ps(OVERFLOW));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
-                                     _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), x));
-    __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.9875691500e-4f), _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    const __m512 e = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    const __m512i whole = _mm512_cvtps_epi32(n), half = _mm512_srai_epi32(whole, 1), bias = _mm512_set1_epi32(127);
-    const __m512 low = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(half, bias), 23));
-    const __m512 high = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(whole, half), bias), 23));
-    return _mm512_mask_mov_ps(_mm512_mul_ps(_mm512_mul_ps(e, low), high), over, _mm512_set1_ps(INFINITY));
-}
-
-static inline __m512 widen16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16));
-}
-
-/* to_bf16 on sixteen lanes, kept in the top halves (the bfloat16 as a float) */
-static inline __m512i round16(__m512 f) {
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
-    const __m512i kept = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
-    return _mm512_and_si512(kept, _mm512_set1_epi32((int)0xffff0000u));
-}
-#endif
+#include "silu.h"
 
 int bf16_silu_mul_vectorized(void) {
 #ifdef __AVX512F__
@@ -85,23 +19,21 @@ int bf16_silu_mul_vectorized(void) {
 #endif
 }
 
+#ifdef __AVX512F__
+static inline __m512 widen16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16));
+}
+#endif
+
 void bf16_silu_mul(const uint16_t *x, int64_t x_row, uint16_t *out, int64_t m, int64_t n) {
     for (int64_t i = 0; i < m; i++) {
         const uint16_t *gate = x + i * x_row, *up = gate + n;
         uint16_t *o = out + i * n;
         int64_t d = 0;
 #ifdef __AVX512F__
-        for (; d + 16 <= n; d += 16) {
-            const __m512 g = widen16(gate + d);
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-            const __m512i act = round16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-            const __m512i h = round16(_mm512_mul_ps(_mm512_castsi512_ps(act), widen16(up + d)));
-            _mm256_storeu_si256((void *)(o + d), _mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16)));
-        }
+        for (; d + 16 <= n; d += 16)
+            _mm256_storeu_si256((void *)(o + d), silu_mul16(widen16(gate + d), widen16(up + d)));
 #endif
-        for (; d < n; d++) {
-            const float g = from_bf16(gate[d]);
-            o[d] = to_bf16(from_bf16(to_bf16(g / (1.0f + exp1(-g)))) * from_bf16(up[d]));
-        }
+        for (; d < n; d++) o[d] = silu_mul1(from_bf16(gate[d]), from_bf16(up[d]));
     }
 }

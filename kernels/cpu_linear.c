@@ -31,6 +31,8 @@
 #define HAVE_AMX 1
 #include <omp.h>
 #include <sys/syscall.h>
+
+#include "silu.h"
 #include <unistd.h>
 #endif
 
@@ -137,20 +139,54 @@ INLINE v16h round16(v16f f) {
     return __builtin_convertvector((nan & quiet) | (~nan & rounded), v16h);
 }
 
+/* Where finished sums go: out [m, n], the bias per packed column (or NULL). Gated: the panels come in pairs, a
+   gate's 16 columns then the same 16 of up (gpu_worker/packed_linear.py interleaves them), and out takes
+   silu(gate) * up (kernels/silu.h) of each pair, out column = packed column / 2. */
+typedef struct {
+    const uint16_t *bias;
+    uint16_t *out;
+    int64_t m, n;
+    int gated;
+} amx_out;
+
 /* A tile of sums (16 rows × 16 columns, from row0 and col0) to out, with the bias, the rows and columns that exist. */
-INLINE void amx_store(const float sums[16][PANEL], int64_t row0, int64_t col0, const uint16_t *bias, uint16_t *out,
-                      int64_t m, int64_t n) {
-    const int64_t cols = n - col0 < PANEL ? n - col0 : PANEL, rows = m - row0 < 16 ? m - row0 : 16;
+INLINE void amx_store(const float sums[16][PANEL], int64_t row0, int64_t col0, const amx_out *o) {
+    const int64_t n = o->n, cols = n - col0 < PANEL ? n - col0 : PANEL, rows = o->m - row0 < 16 ? o->m - row0 : 16;
     v16f b = {0};
-    for (int64_t c = 0; bias && c < cols; c++) b[c] = from_bf16(bias[col0 + c]);
+    for (int64_t c = 0; o->bias && c < cols; c++) b[c] = from_bf16(o->bias[col0 + c]);
     for (int64_t i = 0; i < rows; i++) {
         v16f s;
         memcpy(&s, sums[i], sizeof s);
-        const v16h h = round16(bias ? s + b : s);
+        const v16h h = round16(o->bias ? s + b : s);
         if (cols == PANEL) /* a constant size: one store, not a call */
-            memcpy(out + (row0 + i) * n + col0, &h, sizeof h);
+            memcpy(o->out + (row0 + i) * n + col0, &h, sizeof h);
         else
-            for (int64_t c = 0; c < cols; c++) out[(row0 + i) * n + col0 + c] = h[c];
+            for (int64_t c = 0; c < cols; c++) o->out[(row0 + i) * n + col0 + c] = h[c];
+    }
+}
+
+/* A gated pair of tiles (gate's sums, then up's, the gate's at packed column col0) to out: each rounded with its
+   bias as amx_store rounds it, then silu(gate) * up: the bits of the projection and kernels/cpu_act.c apart. */
+INLINE void amx_store_gated(const float gate[16][PANEL], const float up[16][PANEL], int64_t row0, int64_t col0,
+                            const amx_out *o) {
+    const int64_t n = o->n, at = col0 / 2, cols = n - at < PANEL ? n - at : PANEL;
+    const int64_t rows = o->m - row0 < 16 ? o->m - row0 : 16;
+    __m512 bg = _mm512_setzero_ps(), bu = _mm512_setzero_ps();
+    if (o->bias) {
+        bg = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(o->bias + col0))), 16));
+        bu = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(o->bias + col0 + PANEL))), 16));
+    }
+    for (int64_t i = 0; i < rows; i++) {
+        __m512 g = _mm512_loadu_ps(gate[i]), u = _mm512_loadu_ps(up[i]);
+        if (o->bias) g = _mm512_add_ps(g, bg), u = _mm512_add_ps(u, bu);
+        const __m256i h = silu_mul16(silu_round16(g), silu_round16(u));
+        if (cols == PANEL)
+            _mm256_storeu_si256((void *)(o->out + (row0 + i) * n + at), h);
+        else {
+            uint16_t lanes[PANEL];
+            _mm256_storeu_si256((void *)lanes, h);
+            for (int64_t c = 0; c < cols; c++) o->out[(row0 + i) * n + at + c] = lanes[c];
+        }
     }
 }
 
@@ -166,16 +202,24 @@ INLINE void prefetch_chunk(const uint16_t *chunk) {
 /* A panel's partial sums: 4 tiles of 16 rows × 16 columns, parked between slices. */
 typedef float amx_part[4][16][PANEL];
 
+/* Tile t of a finished panel's sums (of a gated pair's, `done` its gate's and done + 1 its up's) to out. */
+INLINE void amx_finish(const amx_part *done, int t, int64_t row0, int64_t col0, const amx_out *o) {
+    if (o->gated)
+        amx_store_gated(done[0][t], done[1][t], row0 + 16 * t, col0, o);
+    else
+        amx_store(done[0][t], row0 + 16 * t, col0, o);
+}
+
 /* Chunks [d0, d1) of `blocks` row blocks (1 to 4) of the copy xs from a, against one panel b: tiles 0-3 the
    sums, taken from `part` (zero at the first slice) and put back, 6 the panel's chunk, 4, 5 and 7 the rows' (4
    again for a fourth block). Chunk d of a row block is its 16 rows × 32 columns, 1 KiB at a + 16 (block kp + 32
    d); of a panel, 16 pairs × 16 columns at b + 512 d, while chunk d at `ahead` is fetched into L2 for what comes
    next (into L1 it evicted the rows' slice: 1.05x the time at 2,048 rows; a prefetch past the weight's end is
-   harmless). An earlier panel's finished sums (`done`, or NULL) are rounded
+   harmless). An earlier panel's (or gated pair's) finished sums (`done`, or NULL) are rounded
    to out a tile per chunk meanwhile, on the vector units while the tiles multiply. */
 INLINE void amx_slice(const uint16_t *a, int64_t kp, const uint16_t *b, const uint16_t *ahead, int blocks,
                       int64_t d0, int64_t d1, amx_part *part, const amx_part *done, int64_t row0, int64_t done_col0,
-                      const uint16_t *bias, uint16_t *out, int64_t m, int64_t n) {
+                      const amx_out *o) {
     const int64_t step = TILE_K * 16; /* elements per chunk of a row block or a panel */
     if (d0 == 0) {
         _tile_zero(0);
@@ -205,9 +249,9 @@ INLINE void amx_slice(const uint16_t *a, int64_t kp, const uint16_t *b, const ui
             _tile_loadd(4, a + 3 * kp * 16 + d * step, 64);
             _tile_dpbf16ps(3, 4, 6);
         }
-        if (done && d - d0 < blocks) amx_store((*done)[d - d0], row0 + 16 * (d - d0), done_col0, bias, out, m, n);
+        if (done && d - d0 < blocks) amx_finish(done, (int)(d - d0), row0, done_col0, o);
     }
-    for (int64_t t = d1 - d0; done && t < blocks; t++) amx_store((*done)[t], row0 + 16 * t, done_col0, bias, out, m, n);
+    for (int64_t t = d1 - d0; done && t < blocks; t++) amx_finish(done, (int)t, row0, done_col0, o);
     _tile_stored(0, (*part)[0], PANEL * 4);
     _tile_stored(1, (*part)[1], PANEL * 4);
     _tile_stored(2, (*part)[2], PANEL * 4);
@@ -219,7 +263,7 @@ INLINE void amx_slice(const uint16_t *a, int64_t kp, const uint16_t *b, const ui
    from L2 and the rows' slice from L1, where a row group against one panel over all columns read its rows from
    L2 (1.4× the time at 2,048 rows). */
 INLINE void amx_block(const uint16_t *xs, int64_t kp, int64_t blocks, const uint16_t *panels, int64_t p0,
-                      int64_t p1, amx_part *part, const uint16_t *bias, uint16_t *out, int64_t m, int64_t n) {
+                      int64_t p1, amx_part *part, const amx_out *o) {
     const int64_t chunks = kp / TILE_K, step = TILE_K * 16;
     /* one row group (decode steps) reads each panel once: not sliced, the panels stream from memory one after
        the other, fetched AHEAD chunks ahead; sliced, the next panel's slice is the one fetched */
@@ -228,21 +272,22 @@ INLINE void amx_block(const uint16_t *xs, int64_t kp, int64_t blocks, const uint
         const int rows = blocks - r < 4 ? (int)(blocks - r) : 4;
         for (int64_t d0 = 0; d0 < chunks; d0 += slice) {
             const int64_t d1 = d0 + slice < chunks ? d0 + slice : chunks;
-            for (int64_t p = p0; p < p1; p++) { /* at the last slice, each panel rounds the one before */
+            for (int64_t p = p0; p < p1; p++) { /* at the last slice, each panel rounds the one (pair) before */
                 const uint16_t *b = panels + p * kp * PANEL;
+                const int64_t before = o->gated ? ((p - p0) % 2 ? 0 : 2) : 1;
                 amx_slice(xs + r * kp * 16, kp, b, slice == chunks ? b + AHEAD * step : b + kp * PANEL, rows, d0,
-                          d1, part + (p - p0), d1 == chunks && p > p0 ? part + (p - 1 - p0) : NULL, r * 16,
-                          (p - 1) * PANEL, bias, out, m, n);
+                          d1, part + (p - p0), d1 == chunks && before && p - p0 >= before ? part + (p - before - p0) : NULL,
+                          r * 16, (p - before) * PANEL, o);
             }
         }
-        for (int t = 0; t < rows; t++) amx_store(part[p1 - 1 - p0][t], r * 16 + 16 * t, (p1 - 1) * PANEL, bias, out, m, n);
+        const int64_t last = p1 - (o->gated ? 2 : 1);
+        for (int t = 0; t < rows; t++) amx_finish(part + (last - p0), t, r * 16, last * PANEL, o);
     }
 }
 
 /* One row block (up to 16 rows: decode steps) against panels p and p + 1, two streams from memory at once, which
    a row block alone needs to keep memory busy: tiles 0-1 the sums, 4 the rows, 6-7 the panels. */
-INLINE void amx_two_panels(const uint16_t *xs, int64_t kp, const uint16_t *panels, int64_t p, const uint16_t *bias,
-                           uint16_t *out, int64_t m, int64_t n) {
+INLINE void amx_two_panels(const uint16_t *xs, int64_t kp, const uint16_t *panels, int64_t p, const amx_out *o) {
     const int64_t step = TILE_K * 16;
     const uint16_t *b0 = panels + p * kp * PANEL, *b1 = b0 + kp * PANEL;
     _tile_zero(0);
@@ -259,18 +304,24 @@ INLINE void amx_two_panels(const uint16_t *xs, int64_t kp, const uint16_t *panel
     float sums[2][16][PANEL] __attribute__((aligned(64)));
     _tile_stored(0, sums[0], PANEL * 4);
     _tile_stored(1, sums[1], PANEL * 4);
-    amx_store(sums[0], 0, p * PANEL, bias, out, m, n);
-    amx_store(sums[1], 0, (p + 1) * PANEL, bias, out, m, n);
+    if (o->gated) {
+        amx_store_gated(sums[0], sums[1], 0, p * PANEL, o);
+    } else {
+        amx_store(sums[0], 0, p * PANEL, o);
+        amx_store(sums[1], 0, (p + 1) * PANEL, o);
+    }
 }
 
-static int amx_linear(const uint16_t *x, int64_t x_row, const uint16_t *panels, const uint16_t *bias, uint16_t *out,
-                      int64_t m, int64_t n, int64_t k, int threads) {
+static int amx_linear(const uint16_t *x, int64_t x_row, const uint16_t *panels, const amx_out *o, int64_t k,
+                      int threads) {
     /* the rows copied in tile order, zero-padded to whole row blocks and whole tile rows: every tile is one KiB
        in a row, every load in bounds, and the padding adds exact zeros */
-    const int64_t kp = round_up(k, TILE_K), blocks = round_up(m, 16) / 16, count = round_up(n, PANEL) / PANEL;
-    /* panels per block: at most BLOCK_BYTES, in a number of blocks the threads share evenly */
-    const int64_t most = BLOCK_BYTES / (kp * PANEL * 2) > 1 ? BLOCK_BYTES / (kp * PANEL * 2) : 1;
-    const int64_t width = (count + round_up((count + most - 1) / most, threads) - 1) / round_up((count + most - 1) / most, threads);
+    const int64_t m = o->m, kp = round_up(k, TILE_K), blocks = round_up(m, 16) / 16;
+    const int64_t count = round_up(o->n, PANEL) / PANEL * (o->gated ? 2 : 1);
+    /* panels per block: at most BLOCK_BYTES, in a number of blocks the threads share evenly; whole gated pairs */
+    const int64_t most = BLOCK_BYTES / (kp * PANEL * 2) > 2 ? BLOCK_BYTES / (kp * PANEL * 2) : 2;
+    const int64_t shares = round_up((count + most - 1) / most, threads);
+    const int64_t width = round_up((count + shares - 1) / shares, o->gated ? 2 : 1);
     uint16_t *xs = aligned_alloc(64, (size_t)(blocks * 16 * kp) * sizeof *xs);
     amx_part *parts = blocks > 1 ? aligned_alloc(64, (size_t)(threads * width) * sizeof *parts) : NULL;
     if (!xs || (blocks > 1 && !parts)) {
@@ -292,12 +343,12 @@ static int amx_linear(const uint16_t *x, int64_t x_row, const uint16_t *panels, 
         _tile_loadconfig(&config);
         if (blocks == 1) {
             #pragma omp for schedule(static)
-            for (int64_t p = 0; p < count; p += 2) amx_two_panels(xs, kp, panels, p, bias, out, m, n);
+            for (int64_t p = 0; p < count; p += 2) amx_two_panels(xs, kp, panels, p, o);
         } else {
             amx_part *part = parts + (size_t)omp_get_thread_num() * width;
             #pragma omp for schedule(static)
             for (int64_t p0 = 0; p0 < count; p0 += width)
-                amx_block(xs, kp, blocks, panels, p0, p0 + width < count ? p0 + width : count, part, bias, out, m, n);
+                amx_block(xs, kp, blocks, panels, p0, p0 + width < count ? p0 + width : count, part, o);
         }
         _tile_release();
     }
@@ -350,13 +401,20 @@ int bf16_unpack_rows(const uint16_t *packed, int64_t n, int64_t k, const int64_t
     return 0;
 }
 
-/* Returns 0; -1 when the copy of the input cannot be allocated; -2 when AMX is asked for and not granted. */
+/* out [m, n] = x w^T + bias; gated (AMX tiles only): out [m, n] = silu(gate) * up of the merged gate|up
+   projection, its weight [2 n16, k] and bias [2 n16] interleaved in pairs of 16 rows (gate's, then up's; n16 = n
+   padded to a multiple of 16, the padding zeros). Returns 0; -1 when the copy of the input cannot be allocated;
+   -2 when AMX is asked for and not granted; -3 when gated without AMX. */
 int bf16_linear(const uint16_t *x, int64_t x_row, const uint16_t *packed, const uint16_t *bias, uint16_t *out,
-                int64_t m, int64_t n, int64_t k, int threads, int amx) {
+                int64_t m, int64_t n, int64_t k, int threads, int amx, int gated) {
     if (amx && !bf16_amx()) return -2;
+    if (gated && !amx) return -3;
     if (m <= 0 || n <= 0) return 0;
 #ifdef HAVE_AMX
-    if (amx) return amx_linear(x, x_row, packed, bias, out, m, n, k, threads);
+    if (amx) {
+        const amx_out o = {.bias = bias, .out = out, .m = m, .n = n, .gated = gated};
+        return amx_linear(x, x_row, packed, &o, k, threads);
+    }
 #endif
     return fma_linear(x, x_row, packed, bias, out, m, n, k, threads);
 }

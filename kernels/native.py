@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = (HERE / "cpu_attention.c", HERE / "cpu_linear.c", HERE / "cpu_norm.c", HERE / "cpu_act.c",
            HERE / "cpu_rotary.c", HERE / "cpu_argmax.c")
-HEADERS = (HERE / "bf16.h",)
+HEADERS = (HERE / "bf16.h", HERE / "silu.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fno-math-errno")
 STALE_S = 7 * 24 * 3600
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -102,7 +102,8 @@ def load() -> ctypes.CDLL | None:
     lib.paged_attention.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _PTR,
                                     _I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int]
     lib.bf16_linear.restype = ctypes.c_int
-    lib.bf16_linear.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int, ctypes.c_int]
+    lib.bf16_linear.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int, ctypes.c_int,
+                                ctypes.c_int]
     lib.bf16_amx.restype = ctypes.c_int
     lib.bf16_amx.argtypes = []
     lib.bf16_packed_size.restype = _I64

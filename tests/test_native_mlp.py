@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 from worker_oracle import bf16_step, prompts, write_tiny
 
-from gpu_worker import native_mlp
-from gpu_worker.models.layers import GatedMLP
+from gpu_worker import native_mlp, packed_linear
+from gpu_worker.models.layers import GatedMLP, MergedLinear
 from gpu_worker.native_mlp import NativeGatedMLP, swap_mlps
+from gpu_worker.packed_linear import NativeLinear
 from kernels import native
 
 
@@ -55,6 +56,29 @@ def test_a_rows_activation_is_the_same_bits_in_any_batch_and_from_strided_views(
         assert torch.equal(act(gate_up[i:i + 1]), batch[i:i + 1])
     with pytest.raises(TypeError, match="bfloat16"):
         act(gate_up.float())
+
+
+@pytest.mark.skipif("amx" not in packed_linear.available_kinds(), reason="no AMX tiles here")
+@pytest.mark.parametrize("n,k,bias", [(100, 772, True), (256, 64, False), (40, 96, True)])
+def test_the_gate_up_projection_with_the_activation_in_its_epilogue_gives_the_same_bits(kernel, n, k, bias):
+    """The gated AMX linear against the projection and the activation apart (each checked against torch above
+    and in test_packed_linear): every row count the kernel splits otherwise (one row block, up to four, more; the
+    column blocks in pairs), a half that is no multiple of 16, a bias."""
+    torch.manual_seed(n)
+    projection = MergedLinear(k, [n, n], bias=bias).to(torch.bfloat16)
+    with torch.no_grad():
+        projection.weight.normal_(0, 0.05)
+        if bias:
+            projection.bias.normal_(0, 0.5)
+    apart = NativeLinear(projection, kernel, amx=True)
+    fused = NativeLinear(projection, kernel, amx=True, gated=True)
+    activate = NativeGatedMLP(GatedMLP(4, n, "silu", False), kernel).activate
+    for rows in (1, 5, 16, 17, 64, 70, 300):
+        x = (torch.randn(rows, k) * 2).to(torch.bfloat16)
+        with torch.inference_mode():
+            assert torch.equal(fused(x), activate(apart(x))), rows
+    with pytest.raises(ValueError, match="AMX"):
+        NativeLinear(projection, kernel, amx=False, gated=True)
 
 
 def test_a_bfloat16_model_with_native_mlps_gives_torchs_logits_within_rounding(kernel, tmp_path):
