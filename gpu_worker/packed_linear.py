@@ -68,7 +68,8 @@ class NativeLinear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
         if gated:
             weight, bias = _in_pairs(weight), None if bias is None else _in_pairs(bias)
-        self.in_features, self.out_features = k, n = linear.in_features, linear.out_features // (2 if gated else 1)
+        k = self.in_features = linear.in_features
+        self.out_features = linear.out_features // (2 if gated else 1)
         self.kernel, self.amx, self.gated = kernel, int(amx), int(gated)
         weight = weight.contiguous()
         self.packed = torch.empty(kernel.bf16_packed_size(weight.shape[0], k, self.amx), dtype=torch.bfloat16)
