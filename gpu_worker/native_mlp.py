@@ -29,7 +29,8 @@ class NativeGatedMLP(nn.Module):
     def __init__(self, mlp: GatedMLP, kernel: ctypes.CDLL) -> None:
         super().__init__()
         self.down_proj, self.kernel = mlp.down_proj, kernel
-        self.gated = packed_linear.linear_kind() == "amx" and type(mlp.gate_up_proj) is not packed_linear.NativeLinear
+        # still torch's (swapped before pack_linears): packed here, gated
+        self.gated = packed_linear.linear_kind() == "amx" and isinstance(mlp.gate_up_proj, nn.Linear)
         self.gate_up_proj = (packed_linear.NativeLinear(mlp.gate_up_proj, kernel, amx=True, gated=True) if self.gated
                              else mlp.gate_up_proj)
 
@@ -56,4 +57,5 @@ def swap_mlps(model: nn.Module) -> int:
     kernel = native.load()
     if kernel is None or not kernel.bf16_silu_mul_vectorized():
         return 0
-    return replace_modules(model, GatedMLP, lambda mlp: NativeGatedMLP(mlp, kernel), where=lambda mlp: mlp.act is F.silu)
+    return replace_modules(model, GatedMLP, lambda mlp: NativeGatedMLP(mlp, kernel),
+                           where=lambda mlp: mlp.act is F.silu)

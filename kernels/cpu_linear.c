@@ -31,9 +31,9 @@
 #define HAVE_AMX 1
 #include <omp.h>
 #include <sys/syscall.h>
+#include <unistd.h>
 
 #include "silu.h"
-#include <unistd.h>
 #endif
 
 typedef float v8f __attribute__((vector_size(32)));
@@ -172,9 +172,11 @@ INLINE void amx_store_gated(const float gate[16][PANEL], const float up[16][PANE
     const int64_t n = o->n, at = col0 / 2, cols = n - at < PANEL ? n - at : PANEL;
     const int64_t rows = o->m - row0 < 16 ? o->m - row0 : 16;
     __m512 bg = _mm512_setzero_ps(), bu = _mm512_setzero_ps();
-    if (o->bias) {
-        bg = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(o->bias + col0))), 16));
-        bu = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(o->bias + col0 + PANEL))), 16));
+    if (o->bias) { /* bfloat16 → float32: the top halves */
+        const __m512i gate_bias = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(o->bias + col0)));
+        const __m512i up_bias = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(o->bias + col0 + PANEL)));
+        bg = _mm512_castsi512_ps(_mm512_slli_epi32(gate_bias, 16));
+        bu = _mm512_castsi512_ps(_mm512_slli_epi32(up_bias, 16));
     }
     for (int64_t i = 0; i < rows; i++) {
         __m512 g = _mm512_loadu_ps(gate[i]), u = _mm512_loadu_ps(up[i]);
@@ -215,8 +217,8 @@ INLINE void amx_finish(const amx_part *done, int t, int64_t row0, int64_t col0, 
    again for a fourth block). Chunk d of a row block is its 16 rows × 32 columns, 1 KiB at a + 16 (block kp + 32
    d); of a panel, 16 pairs × 16 columns at b + 512 d, while chunk d at `ahead` is fetched into L2 for what comes
    next (into L1 it evicted the rows' slice: 1.05x the time at 2,048 rows; a prefetch past the weight's end is
-   harmless). An earlier panel's (or gated pair's) finished sums (`done`, or NULL) are rounded
-   to out a tile per chunk meanwhile, on the vector units while the tiles multiply. */
+   harmless). An earlier panel's (or gated pair's) finished sums (`done`, or NULL) are rounded to out a tile per
+   chunk meanwhile, on the vector units while the tiles multiply. */
 INLINE void amx_slice(const uint16_t *a, int64_t kp, const uint16_t *b, const uint16_t *ahead, int blocks,
                       int64_t d0, int64_t d1, amx_part *part, const amx_part *done, int64_t row0, int64_t done_col0,
                       const amx_out *o) {
@@ -275,9 +277,9 @@ INLINE void amx_block(const uint16_t *xs, int64_t kp, int64_t blocks, const uint
             for (int64_t p = p0; p < p1; p++) { /* at the last slice, each panel rounds the one (pair) before */
                 const uint16_t *b = panels + p * kp * PANEL;
                 const int64_t before = o->gated ? ((p - p0) % 2 ? 0 : 2) : 1;
+                const amx_part *done = d1 == chunks && before && p - p0 >= before ? part + (p - before - p0) : NULL;
                 amx_slice(xs + r * kp * 16, kp, b, slice == chunks ? b + AHEAD * step : b + kp * PANEL, rows, d0,
-                          d1, part + (p - p0), d1 == chunks && before && p - p0 >= before ? part + (p - before - p0) : NULL,
-                          r * 16, (p - before) * PANEL, o);
+                          d1, part + (p - p0), done, r * 16, (p - before) * PANEL, o);
             }
         }
         const int64_t last = p1 - (o->gated ? 2 : 1);

@@ -75,8 +75,9 @@ def _remove_stale(target: Path) -> None:
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
-    """The kernel library with its entry points typed (`paged_attention`, `bf16_linear` and its packing), or None
-    when it cannot be built here (logged)."""
+    """The kernel library with its entry points typed (`paged_attention`, `bf16_linear` and its packing,
+    `bf16_rms_norm`, `bf16_silu_mul`, `bf16_rotary`, `rows_argmax`), or None when it cannot be built here
+    (logged)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.warning("no C compiler (cc, gcc or $CC): the CPU attention gathers keys and values with torch, and "

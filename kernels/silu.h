@@ -60,8 +60,9 @@ static inline __m512 silu_exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     const __m512 e = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
     const __m512i whole = _mm512_cvtps_epi32(n), half = _mm512_srai_epi32(whole, 1), bias = _mm512_set1_epi32(127);
+    const __m512i rest = _mm512_sub_epi32(whole, half);
     const __m512 low = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(half, bias), 23));
-    const __m512 high = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(whole, half), bias), 23));
+    const __m512 high = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(rest, bias), 23));
     return _mm512_mask_mov_ps(_mm512_mul_ps(_mm512_mul_ps(e, low), high), over, _mm512_set1_ps(INFINITY));
 }
 
