@@ -25,8 +25,6 @@ from gpu_worker.sequence import SequenceState
 from kernels import native
 from shared.sampling import SamplingParams
 
-_NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-
 
 @dataclass(slots=True)
 class SampledToken:
@@ -44,11 +42,11 @@ def argmax(scores: torch.Tensor) -> torch.Tensor:
     """Each row's first maximum (a NaN's where there is one), as `max(dim=-1)`'s indices. On the CPU,
     kernels/cpu_argmax.c reads float32 or bfloat16 rows in place (64 rows of 32,000 bfloat16: ~0.1 ms, where
     torch's `max` took ~1 ms and widening them to float32 for it ~0.5 ms more); `argmax(dim=-1)` took 2.6 ms."""
-    kernel = native.load() if scores.device.type == "cpu" and scores.dtype in _NATIVE_DTYPES else None
+    kernel = native.load() if scores.device.type == "cpu" and scores.dtype in native.DTYPE_CODES else None
     if kernel is None or scores.dim() != 2 or scores.stride(-1) != 1:
         return scores.max(dim=-1).indices
     out = torch.empty(scores.shape[0], dtype=torch.int64)
-    kernel.rows_argmax(_NATIVE_DTYPES[scores.dtype], scores.data_ptr(), scores.stride(0), scores.shape[0],
+    kernel.rows_argmax(native.DTYPE_CODES[scores.dtype], scores.data_ptr(), scores.stride(0), scores.shape[0],
                        scores.shape[1], out.data_ptr())
     return out
 

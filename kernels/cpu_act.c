@@ -19,12 +19,6 @@ int bf16_silu_mul_vectorized(void) {
 #endif
 }
 
-#ifdef __AVX512F__
-static inline __m512 widen16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16));
-}
-#endif
-
 void bf16_silu_mul(const uint16_t *x, int64_t x_row, uint16_t *out, int64_t m, int64_t n) {
     for (int64_t i = 0; i < m; i++) {
         const uint16_t *gate = x + i * x_row, *up = gate + n;
@@ -32,7 +26,7 @@ void bf16_silu_mul(const uint16_t *x, int64_t x_row, uint16_t *out, int64_t m, i
         int64_t d = 0;
 #ifdef __AVX512F__
         for (; d + 16 <= n; d += 16)
-            _mm256_storeu_si256((void *)(o + d), silu_mul16(widen16(gate + d), widen16(up + d)));
+            _mm256_storeu_si256((void *)(o + d), silu_mul16(bf16_widen16(gate + d), bf16_widen16(up + d)));
 #endif
         for (; d < n; d++) o[d] = silu_mul1(from_bf16(gate[d]), from_bf16(up[d]));
     }

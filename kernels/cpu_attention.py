@@ -29,7 +29,6 @@ __all__ = ["copy_blocks", "paged_attention", "step_attention", "store_kv"]
 
 # A decode group's gathered keys (float32 elements), as in the reference: bounds the memory of one call.
 _DECODE_GROUP_ELEMENTS = 1 << 24
-_NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # kernels/cpu_attention.c's dtype codes
 # Query rows of a chunk per task of the C kernel: more reuse each block read from memory, fewer tasks to share
 # among threads.
 _NATIVE_SPAN = 8
@@ -110,7 +109,7 @@ class StepAttention:
         starts = self.query_start_loc.tolist()
         lens = self.seq_lens.tolist()
         tables = self.block_tables
-        if (device.type == "cpu" and query_dtype == cache_dtype in _NATIVE_DTYPES and block_size % 8 == 0
+        if (device.type == "cpu" and query_dtype == cache_dtype in native.DTYPE_CODES and block_size % 8 == 0
                 and head_dim % 8 == 0 and native.load() is not None):
             tasks = [(starts[s] + i, s, seq_len - q_len + i + 1, min(_NATIVE_SPAN, q_len - i))
                      for s, seq_len in enumerate(lens) if (q_len := starts[s + 1] - starts[s]) > 0
@@ -163,7 +162,7 @@ def _native_attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
     _, block_size, kv_heads, dim = key_cache.shape
     query = query if query.stride(-1) == 1 else query.contiguous()
     code = native.load().paged_attention(
-        _NATIVE_DTYPES[key_cache.dtype], query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(),
+        native.DTYPE_CODES[key_cache.dtype], query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(),
         value_cache.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1), plan.tables.data_ptr(),
         plan.tables.stride(0), plan.tasks.data_ptr(), plan.tasks.shape[0], query.shape[1], kv_heads, dim,
         block_size, scale, torch.get_num_threads())

@@ -126,19 +126,6 @@ static int amx_permitted(void) {
     return permitted;
 }
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-
-/* to_bf16 on 16 lanes at once */
-INLINE v16h round16(v16f f) {
-    v16u u;
-    memcpy(&u, &f, sizeof u);
-    const v16u nan = (v16u)((u & 0x7fffffffu) > 0x7f800000u);
-    const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
-    return __builtin_convertvector((nan & quiet) | (~nan & rounded), v16h);
-}
-
 /* Where finished sums go: out [m, n], the bias per packed column (or NULL). Gated: the panels come in pairs, a
    gate's 16 columns then the same 16 of up (gpu_worker/packed_linear.py interleaves them), and out takes
    silu(gate) * up (kernels/silu.h) of each pair, out column = packed column / 2. */
@@ -149,19 +136,28 @@ typedef struct {
     int gated;
 } amx_out;
 
+/* A row's 16 bfloat16 to out, the `cols` of them that exist. */
+INLINE void amx_store_row(uint16_t *dst, __m256i h, int64_t cols) {
+    if (cols == PANEL) {
+        _mm256_storeu_si256((void *)dst, h);
+    } else {
+        uint16_t lanes[PANEL];
+        _mm256_storeu_si256((void *)lanes, h);
+        memcpy(dst, lanes, (size_t)cols * sizeof *dst);
+    }
+}
+
 /* A tile of sums (16 rows × 16 columns, from row0 and col0) to out, with the bias, the rows and columns that exist. */
 INLINE void amx_store(const float sums[16][PANEL], int64_t row0, int64_t col0, const amx_out *o) {
     const int64_t n = o->n, cols = n - col0 < PANEL ? n - col0 : PANEL, rows = o->m - row0 < 16 ? o->m - row0 : 16;
-    v16f b = {0};
-    for (int64_t c = 0; o->bias && c < cols; c++) b[c] = from_bf16(o->bias[col0 + c]);
+    if (cols <= 0) return; /* the padding panel of an odd count, read in pairs */
+    uint16_t bias[PANEL] = {0}; /* the columns that exist: bias has n */
+    for (int64_t c = 0; o->bias && c < cols; c++) bias[c] = o->bias[col0 + c];
+    const __m512 b = bf16_widen16(bias);
     for (int64_t i = 0; i < rows; i++) {
-        v16f s;
-        memcpy(&s, sums[i], sizeof s);
-        const v16h h = round16(o->bias ? s + b : s);
-        if (cols == PANEL) /* a constant size: one store, not a call */
-            memcpy(o->out + (row0 + i) * n + col0, &h, sizeof h);
-        else
-            for (int64_t c = 0; c < cols; c++) o->out[(row0 + i) * n + col0 + c] = h[c];
+        __m512 s = _mm512_loadu_ps(sums[i]);
+        if (o->bias) s = _mm512_add_ps(s, b);
+        amx_store_row(o->out + (row0 + i) * n + col0, bf16_narrow16(bf16_round16(s)), cols);
     }
 }
 
@@ -171,24 +167,12 @@ INLINE void amx_store_gated(const float gate[16][PANEL], const float up[16][PANE
                             const amx_out *o) {
     const int64_t n = o->n, at = col0 / 2, cols = n - at < PANEL ? n - at : PANEL;
     const int64_t rows = o->m - row0 < 16 ? o->m - row0 : 16;
-    __m512 bg = _mm512_setzero_ps(), bu = _mm512_setzero_ps();
-    if (o->bias) { /* bfloat16 → float32: the top halves */
-        const __m512i gate_bias = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(o->bias + col0)));
-        const __m512i up_bias = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(o->bias + col0 + PANEL)));
-        bg = _mm512_castsi512_ps(_mm512_slli_epi32(gate_bias, 16));
-        bu = _mm512_castsi512_ps(_mm512_slli_epi32(up_bias, 16));
-    }
+    const __m512 bg = o->bias ? bf16_widen16(o->bias + col0) : _mm512_setzero_ps();
+    const __m512 bu = o->bias ? bf16_widen16(o->bias + col0 + PANEL) : _mm512_setzero_ps();
     for (int64_t i = 0; i < rows; i++) {
         __m512 g = _mm512_loadu_ps(gate[i]), u = _mm512_loadu_ps(up[i]);
         if (o->bias) g = _mm512_add_ps(g, bg), u = _mm512_add_ps(u, bu);
-        const __m256i h = silu_mul16(silu_round16(g), silu_round16(u));
-        if (cols == PANEL)
-            _mm256_storeu_si256((void *)(o->out + (row0 + i) * n + at), h);
-        else {
-            uint16_t lanes[PANEL];
-            _mm256_storeu_si256((void *)lanes, h);
-            for (int64_t c = 0; c < cols; c++) o->out[(row0 + i) * n + at + c] = lanes[c];
-        }
+        amx_store_row(o->out + (row0 + i) * n + at, silu_mul16(bf16_round16(g), bf16_round16(u)), cols);
     }
 }
 

@@ -11,25 +11,9 @@
    16: elsewhere torch's path is the faster one. */
 #include <stdint.h>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
+#include "bf16.h"
 
 #define NEAREST (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-
-static inline __m512 widen16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16));
-}
-
-/* to_bf16 on sixteen lanes, kept in the top halves (the bfloat16 as a float) */
-static inline __m512 round16(__m512 f) {
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
-    const __m512i kept = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
-    return _mm512_castsi512_ps(_mm512_and_si512(kept, _mm512_set1_epi32((int)0xffff0000u)));
-}
-#endif
 
 int bf16_rotary_vectorized(void) {
 #ifdef __AVX512F__
@@ -52,13 +36,12 @@ int bf16_rotary(const uint16_t *x, int64_t x_row, int64_t heads, int64_t dim, co
             const uint16_t *xi = x + t * x_row + h * dim;
             uint16_t *o = out + (t * heads + h) * dim;
             for (int64_t d = 0; d < dim; d += 16) {
-                const __m512 rolled = widen16(xi + (d < half ? d + half : d - half));
-                const __m512 first = round16(_mm512_mul_ps(widen16(xi + d), widen16(c + d)));
+                const __m512 rolled = bf16_widen16(xi + (d < half ? d + half : d - half));
+                const __m512 first = bf16_round16(_mm512_mul_ps(bf16_widen16(xi + d), bf16_widen16(c + d)));
                 /* the _round forms: builtins the compiler does not fuse into a multiply-add */
-                const __m512 product = _mm512_mul_round_ps(rolled, widen16(s + d), NEAREST);
-                const __m512 sum = round16(_mm512_add_round_ps(first, product, NEAREST));
-                _mm256_storeu_si256((void *)(o + d),
-                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(sum), 16)));
+                const __m512 product = _mm512_mul_round_ps(rolled, bf16_widen16(s + d), NEAREST);
+                const __m512 sum = bf16_round16(_mm512_add_round_ps(first, product, NEAREST));
+                _mm256_storeu_si256((void *)(o + d), bf16_narrow16(sum));
             }
         }
     }

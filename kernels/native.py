@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
@@ -33,6 +35,7 @@ HEADERS = (HERE / "bf16.h", HERE / "silu.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fno-math-errno")
 STALE_S = 7 * 24 * 3600
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' `dtype` argument, where they take one
 
 
 def _cpu_features() -> str:

@@ -12,10 +12,6 @@
 
 #include "bf16.h"
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
-
 #define SILU_MIN_ARG -87.3f       /* below, e^x stays near 2^-126: beside the 1 it is added to, nothing */
 #define SILU_OVERFLOW 88.7228391f /* expf's overflow to infinity */
 
@@ -66,22 +62,11 @@ static inline __m512 silu_exp16(__m512 x) {
     return _mm512_mask_mov_ps(_mm512_mul_ps(_mm512_mul_ps(e, low), high), over, _mm512_set1_ps(INFINITY));
 }
 
-/* to_bf16 on sixteen lanes, kept as floats (the bfloat16 in the top halves) */
-static inline __m512 silu_round16(__m512 f) {
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
-    const __m512i kept = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
-    return _mm512_castsi512_ps(_mm512_and_si512(kept, _mm512_set1_epi32((int)0xffff0000u)));
-}
-
 /* silu_mul1 on sixteen lanes of bfloat16 values (as floats) → sixteen bfloat16 */
 static inline __m256i silu_mul16(__m512 gate, __m512 up) {
     const __m512 e = silu_exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate));
-    const __m512 act = silu_round16(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-    const __m512 h = silu_round16(_mm512_mul_ps(act, up));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(h), 16));
+    const __m512 act = bf16_round16(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+    return bf16_narrow16(bf16_round16(_mm512_mul_ps(act, up)));
 }
 #endif
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from worker_oracle import bf16_step, prompts, write_tiny
+from worker_oracle import bf16_model_logits, bf16_step
 
 from gpu_worker import native_norm
 from gpu_worker.models.layers import RMSNorm
@@ -55,22 +55,7 @@ def test_a_rows_norm_is_the_same_bits_in_any_batch_and_from_strided_views(kernel
 
 
 def test_a_bfloat16_model_with_native_norms_gives_torchs_logits_within_rounding(kernel, tmp_path):
-    from gpu_worker.loader import load_config, load_model
-    from gpu_worker.models.layers import ForwardContext
-
-    model_dir = write_tiny("qwen3", tmp_path / "qwen3")  # q and k norms besides the layers' and the final one
-    model = load_model(model_dir, load_config(model_dir), 64, torch.device("cpu"), torch.bfloat16, progress=False)
-    ids = torch.tensor(prompts([12])[0])
-
-    def logits() -> torch.Tensor:
-        def attend(q, k, v, key_cache, value_cache, scale):
-            out = F.scaled_dot_product_attention(q.transpose(0, 1).float(), k.transpose(0, 1).float(),
-                                                 v.transpose(0, 1).float(), is_causal=True, scale=scale,
-                                                 enable_gqa=q.shape[1] != k.shape[1])
-            return out.transpose(0, 1).to(q.dtype)
-        with torch.inference_mode():
-            return model.compute_logits(model(ids, torch.arange(len(ids)), ForwardContext([(None, None)] * 8, attend)))
-
+    model, logits = bf16_model_logits("qwen3", tmp_path)  # q and k norms besides the layers' and the final one
     plain = logits()
     norms = sum(isinstance(m, RMSNorm) for m in model.modules())
     assert swap_norms(model) == norms > 2

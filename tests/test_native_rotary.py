@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
-from worker_oracle import prompts, write_tiny
+from worker_oracle import bf16_model_logits
 
 from gpu_worker import native_rotary
 from gpu_worker.models.layers import Rotary, RotaryEmbedding, apply_rotary
@@ -41,22 +40,7 @@ def test_the_native_rotary_is_torchs_bit_for_bit(kernel, tokens, dim):
 
 
 def test_a_bfloat16_model_with_native_rotaries_gives_the_same_logits(kernel, tmp_path):
-    from gpu_worker.loader import load_config, load_model
-    from gpu_worker.models.layers import ForwardContext
-
-    model_dir = write_tiny("qwen3", tmp_path / "qwen3")  # q and k rotated apart, after their norms
-    model = load_model(model_dir, load_config(model_dir), 64, torch.device("cpu"), torch.bfloat16, progress=False)
-    ids = torch.tensor(prompts([12])[0])
-
-    def logits() -> torch.Tensor:
-        def attend(q, k, v, key_cache, value_cache, scale):
-            out = F.scaled_dot_product_attention(q.transpose(0, 1).float(), k.transpose(0, 1).float(),
-                                                 v.transpose(0, 1).float(), is_causal=True, scale=scale,
-                                                 enable_gqa=q.shape[1] != k.shape[1])
-            return out.transpose(0, 1).to(q.dtype)
-        with torch.inference_mode():
-            return model.compute_logits(model(ids, torch.arange(len(ids)), ForwardContext([(None, None)] * 8, attend)))
-
+    model, logits = bf16_model_logits("qwen3", tmp_path)  # q and k rotated apart, after their norms
     plain = logits()
     rotaries = sum(isinstance(m, Rotary) for m in model.modules())
     assert swap_rotaries(model) == rotaries > 1

@@ -90,6 +90,31 @@ def bf16_step(x: torch.Tensor) -> torch.Tensor:
     return torch.exp2(exponent - 7)
 
 
+def bf16_model_logits(arch: str, tmp_path: Path):
+    """A tiny bfloat16 model of `arch`, loaded as a worker loads it, and a function giving its logits for one
+    12-token prompt with torch's SDPA as the attention (no cache): the model before and after a module swap."""
+    from torch.nn import functional as F
+
+    from gpu_worker.loader import load_config, load_model
+    from gpu_worker.models.layers import ForwardContext
+
+    model_dir = write_tiny(arch, tmp_path / arch)
+    model = load_model(model_dir, load_config(model_dir), 64, torch.device("cpu"), torch.bfloat16, progress=False)
+    ids = torch.tensor(prompts([12])[0])
+
+    def attend(q, k, v, key_cache, value_cache, scale):
+        out = F.scaled_dot_product_attention(q.transpose(0, 1).float(), k.transpose(0, 1).float(),
+                                             v.transpose(0, 1).float(), is_causal=True, scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return out.transpose(0, 1).to(q.dtype)
+
+    def logits() -> torch.Tensor:
+        with torch.inference_mode():
+            return model.compute_logits(model(ids, torch.arange(len(ids)), ForwardContext([(None, None)] * 8, attend)))
+
+    return model, logits
+
+
 def prompts(lengths: list[int], vocab: int = VOCAB, seed: int = 1) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in lengths]
