@@ -1,14 +1,17 @@
-"""bfloat16 linears on this CPU, each way `gpu_worker/packed_linear.py` can take, side by side: µs per call for
-the shapes of the built-in tiny model and the ~100M Llama, at a decode step's rows (1-64) and a prefill chunk's.
+"""bfloat16 or float32 linears on this CPU, each way `gpu_worker/packed_linear.py` can take, side by side: µs per
+call for the shapes of the built-in tiny model and the ~100M Llama, at a decode step's rows (1-64) and a prefill
+chunk's.
 
-The ways: "onednn" (torch's oneDNN matmul, weights packed once; where oneDNN has native bfloat16), "amx"
-(kernels/cpu_linear.c on AMX tiles, where the CPU has them), "fma" (cpu_linear.c in float32 fused
-multiply-adds), "chunks" (float32 chunks for MKL). Calls of all ways alternate, each its best of `--rounds`,
-so that a shared machine's slow spells fall on all of them; the ratios are to the first way's time. One torch
-thread, as `pagedserve up` gives a worker on two cores.
+The ways for bfloat16: "onednn" (torch's oneDNN matmul, weights packed once; where oneDNN has native bfloat16),
+"amx" (kernels/cpu_linear.c on AMX tiles, where the CPU has them), "fma" (cpu_linear.c in float32 fused
+multiply-adds), "chunks" (float32 chunks for MKL); for float32 (`--dtype float32`): "mkl" (torch's own linear) and
+"fma" (cpu_linear.c). Calls of all ways alternate, each its best of `--rounds`, so that a shared machine's slow
+spells fall on all of them; the ratios are to the first way's time. One torch thread, as `pagedserve up` gives a
+worker on two cores.
 
     python -m benchmarks.linears
     python -m benchmarks.linears --ways onednn,amx --rows 1,64 --shapes 100m
+    python -m benchmarks.linears --dtype float32 --ways mkl,fma --rows 1,8,64,2048
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import time
 from typing import Callable
 
 # (name, out_features, in_features): the projections of each model (q|k|v and gate|up merged, as the worker has them)
-ORDER = ("onednn", "amx", "fma", "chunks")  # the table's columns; ratios are to the first one measured
+ORDER = ("onednn", "mkl", "amx", "fma", "chunks")  # the table's columns; ratios are to the first one measured
 SHAPES = {
     "tiny": [("qkv", 512, 256), ("o", 256, 256), ("gate_up", 1024, 256), ("down", 256, 512), ("lm_head", 512, 256)],
     "100m": [("qkv", 1280, 768), ("o", 768, 768), ("gate_up", 4096, 768), ("down", 768, 2048),
@@ -47,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default="tiny,100m", help="comma-separated: " + ", ".join(SHAPES))
     p.add_argument("--rows", default="1,4,16,64,256", help="comma-separated input rows per call")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     args = p.parse_args(argv)
 
     import torch
@@ -56,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     reuse_freed_memory()  # as the worker does: a large call's scratch is not page-faulted in afresh each time
-    have = [kind for kind in ORDER if kind in available_kinds()]
+    dtype = getattr(torch, args.dtype)
+    have = [kind for kind in ORDER if kind in available_kinds(dtype)]
     ways = args.ways.split(",") if args.ways else have
     missing = [w for w in ways if w not in have]
     if missing:
@@ -68,10 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     for model in args.shapes.split(","):
         for name, n, k in SHAPES[model]:
             gen = torch.Generator().manual_seed(n * k)
-            linear = torch.nn.Linear(k, n, bias=False).to(torch.bfloat16)
+            linear = torch.nn.Linear(k, n, bias=False).to(dtype)
             twins = [twin(w, linear) for w in ways]
             for m in rows:
-                x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+                x = torch.randn(m, k, generator=gen).to(dtype)
                 repeats = max(2, min(500, int(2e7 / (n * k * max(m, 8) ** 0.5))))
                 with torch.inference_mode():
                     times = best_of([lambda t=t: t(x) for t in twins], repeats, args.rounds)

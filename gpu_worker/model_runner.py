@@ -50,7 +50,11 @@ class ModelRunner:
             packed_linear.pack_linears(self.model)
             native_norm.swap_norms(self.model)
             native_rotary.swap_rotaries(self.model)
-            log.info("bfloat16 linears: %s", packed_linear.KINDS[packed_linear.linear_kind()])
+        elif self.device.type == "cpu" and self.dtype == torch.float32:
+            packed_linear.pack_linears(self.model)
+        if self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32):
+            log.info("%s linears: %s", str(self.dtype).removeprefix("torch."),
+                     packed_linear.KINDS[packed_linear.linear_kind(self.dtype)])
         layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         self.cache_shape = CacheShape(len(layers), layers[0].num_kv_heads, layers[0].head_dim, self.block_size,
                                       self.dtype)

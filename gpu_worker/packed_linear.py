@@ -1,7 +1,7 @@
-"""bfloat16 linears on the CPU, their weights packed once at load: by kernels/cpu_linear.c where it can, a row's
-outputs then the same bits whatever the batch.
+"""bfloat16 and float32 linears on the CPU, their weights packed once at load: by kernels/cpu_linear.c where it can,
+a row's outputs then the same bits whatever the batch.
 
-`linear_kind()` says which way this process takes:
+`linear_kind()` says which way this process takes for bfloat16:
 - "amx": cpu_linear.c with AMX tiles (Sapphire Rapids and later). The same products and sums as oneDNN's AMX
   matmul at one row, but in one order at any batch; oneDNN changes its order with the number of rows, so a
   sequence's bfloat16 tokens changed with the sequences beside it and when a restarted worker recomputed its
@@ -15,6 +15,12 @@ outputs then the same bits whatever the batch.
   32 ms against 6.7 ms in float32). Faster than MKL on a float32 copy at every size measured, at half the bytes.
 - "chunks": no compiler and no native bfloat16: the weights widened `CHUNK_ROWS` rows at a time for MKL (the
   worker keeps freed memory in its heap, so the chunks cost no page faults).
+
+and `linear_kind(torch.float32)` for float32:
+- "fma": cpu_linear.c's fused multiply-adds on float32 weights, where they were measured faster than MKL at every
+  row count (AVX2 without AVX-512): 0.45-0.65x MKL's time at 8-64 rows (a decode step), 0.9-1.05x at 2,048. MKL's
+  float32 GEMM at a few rows runs at a third of its speed per row at one.
+- "mkl": torch's own linear, left as it is.
 
 Where cpu_linear.c packs a tied lm_head, the token embedding reads its rows from that packed weight
 (`PackedEmbedding`), so the vocabulary's weights are held once.
@@ -36,7 +42,8 @@ KINDS = {"amx": "AMX tiles (kernels/cpu_linear.c), a row's outputs the same what
          "onednn": "oneDNN's bfloat16 matmul, weights packed once",
          "fma": "bfloat16 weights widened to float32 in registers (kernels/cpu_linear.c), a row's outputs the same "
                 "whatever the batch",
-         "chunks": "float32 chunks for MKL (no C compiler and no native bfloat16)"}
+         "chunks": "float32 chunks for MKL (no C compiler and no native bfloat16)",
+         "mkl": "torch's own float32 linear (MKL)"}
 NATIVE_KINDS = ("amx", "fma")  # through kernels/cpu_linear.c: a row's outputs the same bits in any batch
 
 
@@ -54,7 +61,8 @@ class PackedLinear(nn.Module):
 
 
 class NativeLinear(nn.Module):
-    """A bfloat16 linear through kernels/cpu_linear.c, with AMX tiles (`amx`) or float32 fused multiply-adds.
+    """A bfloat16 or float32 linear (its weight's dtype) through kernels/cpu_linear.c: bfloat16 with AMX tiles
+    (`amx`) or in float32 fused multiply-adds; float32 in fused multiply-adds.
 
     `gated` (AMX tiles only): `linear` is a merged gate|up projection, and the module gives silu(gate) * up, the
     activation in the kernel's epilogue (kernels/silu.h: the bits of the projection and kernels/cpu_act.c apart),
@@ -64,36 +72,44 @@ class NativeLinear(nn.Module):
         super().__init__()
         if gated and not amx:
             raise ValueError("a gated NativeLinear needs AMX tiles")
-        weight = linear.weight.detach().to(torch.bfloat16)
-        bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
+        self.dtype = torch.float32 if linear.weight.dtype == torch.float32 else torch.bfloat16
+        if amx and self.dtype == torch.float32:
+            raise ValueError("AMX tiles multiply bfloat16, not float32")
+        weight = linear.weight.detach().to(self.dtype)
+        bias = None if linear.bias is None else linear.bias.detach().to(self.dtype)
         if gated:
             weight, bias = _in_pairs(weight), None if bias is None else _in_pairs(bias)
         k = self.in_features = linear.in_features
         self.out_features = linear.out_features // (2 if gated else 1)
         self.kernel, self.amx, self.gated = kernel, int(amx), int(gated)
         weight = weight.contiguous()
-        self.packed = torch.empty(kernel.bf16_packed_size(weight.shape[0], k, self.amx), dtype=torch.bfloat16)
-        kernel.bf16_pack(weight.data_ptr(), weight.shape[0], k, self.packed.data_ptr(), self.amx)
+        self.packed = torch.empty(kernel.packed_size(weight.shape[0], k, self.amx), dtype=self.dtype)
+        if self.dtype == torch.float32:
+            kernel.f32_pack(weight.data_ptr(), weight.shape[0], k, self.packed.data_ptr())
+        else:
+            kernel.bf16_pack(weight.data_ptr(), weight.shape[0], k, self.packed.data_ptr(), self.amx)
         self.bias = None if bias is None else bias.contiguous()
         self._weights = (self.packed.data_ptr(), None if self.bias is None else self.bias.data_ptr())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # a decode step calls this ~17-60 times: the kernel takes microseconds, so the Python around it is lean
         rows = x.reshape(-1, self.in_features)
-        if rows.dtype != torch.bfloat16:
-            rows = rows.to(torch.bfloat16)
+        if rows.dtype != self.dtype:
+            rows = rows.to(self.dtype)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         m = rows.shape[0]
-        out = torch.empty(m, self.out_features, dtype=torch.bfloat16)
-        code = self.kernel.bf16_linear(rows.data_ptr(), rows.stride(0), *self._weights, out.data_ptr(), m,
-                                       self.out_features, self.in_features, torch.get_num_threads(), self.amx,
-                                       self.gated)
-        if code:
+        out = torch.empty(m, self.out_features, dtype=self.dtype)
+        if self.dtype == torch.float32:
+            self.kernel.f32_linear(rows.data_ptr(), rows.stride(0), *self._weights, out.data_ptr(), m,
+                                   self.out_features, self.in_features, torch.get_num_threads())
+        elif code := self.kernel.bf16_linear(rows.data_ptr(), rows.stride(0), *self._weights, out.data_ptr(), m,
+                                             self.out_features, self.in_features, torch.get_num_threads(), self.amx,
+                                             self.gated):
             raise MemoryError(f"cpu_linear.c could not allocate the copy of {m} × {self.in_features} inputs") \
                 if code == -1 else RuntimeError("cpu_linear.c: AMX tiles asked for and not granted")
         out = out.view(*x.shape[:-1], self.out_features)
-        return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
+        return out if x.dtype == self.dtype else out.to(x.dtype)
 
 
 def _in_pairs(rows: torch.Tensor) -> torch.Tensor:
@@ -117,9 +133,11 @@ class PackedEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).to(torch.int64).contiguous()
-        out = torch.empty(flat.numel(), self.embedding_dim, dtype=torch.bfloat16)
-        if self.kernel.bf16_unpack_rows(self.packed.data_ptr(), self.num_embeddings, self.embedding_dim,
-                                        flat.data_ptr(), flat.numel(), out.data_ptr(), self.amx):
+        out = torch.empty(flat.numel(), self.embedding_dim, dtype=self.packed.dtype)
+        where = (self.packed.data_ptr(), self.num_embeddings, self.embedding_dim, flat.data_ptr(), flat.numel(),
+                 out.data_ptr())
+        if (self.kernel.f32_unpack_rows(*where) if self.packed.dtype == torch.float32
+                else self.kernel.bf16_unpack_rows(*where, self.amx)):
             raise IndexError(f"a token id is out of the vocabulary [0, {self.num_embeddings})")
         return out.view(*ids.shape, self.embedding_dim)
 
@@ -149,24 +167,32 @@ def native_bfloat16() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def available_kinds() -> list[str]:
-    """Every way this process can multiply bfloat16 linears, the one `linear_kind` takes first."""
+def available_kinds(dtype: torch.dtype = torch.bfloat16) -> list[str]:
+    """Every way this process can multiply linears of `dtype` (bfloat16 or float32), the one `linear_kind` takes
+    first."""
     kernel = native.load()
+    if dtype == torch.float32:
+        if kernel is None:
+            return ["mkl"]
+        return ["fma", "mkl"] if kernel.f32_linear_preferred() else ["mkl", "fma"]
     kinds = ["amx"] if kernel is not None and kernel.bf16_amx() else []
     kinds += ["onednn"] if native_bfloat16() else []
     kinds += ["fma"] if kernel is not None else []
     return kinds + ["chunks"]
 
 
-def linear_kind() -> str:
-    """How this process multiplies bfloat16 linears: "amx", "onednn", "fma" or "chunks" (the module's docstring)."""
-    return available_kinds()[0]
+def linear_kind(dtype: torch.dtype = torch.bfloat16) -> str:
+    """How this process multiplies linears of `dtype`: for bfloat16 "amx", "onednn", "fma" or "chunks", for float32
+    "fma" or "mkl" (the module's docstring)."""
+    return available_kinds(dtype)[0]
 
 
 def twin(kind: str, linear: nn.Linear) -> nn.Module:
-    """`linear` (bfloat16) packed for `kind`, one of `available_kinds()`."""
+    """`linear` (bfloat16 or float32) packed for `kind`, one of `available_kinds(its dtype)`; "mkl" keeps it."""
     if kind in NATIVE_KINDS:
         return NativeLinear(linear, native.load(), amx=kind == "amx")
+    if kind == "mkl":
+        return linear
     return PackedLinear(linear) if kind == "onednn" else ChunkedLinear(linear)
 
 
@@ -176,10 +202,12 @@ def batch_invariant() -> bool:
 
 
 def pack_linears(model: CausalLM) -> int:
-    """Replace every nn.Linear of `model` (loaded, bfloat16, on the CPU) by its packed twin; how many. A tied token
-    embedding then reads the lm_head's packed weight where cpu_linear.c packed it (oneDNN's packing is opaque,
-    and the chunks keep the embedding's own weight)."""
-    kind = linear_kind()
+    """Replace every nn.Linear of `model` (loaded, bfloat16 or float32, on the CPU) by its packed twin; how many. A
+    tied token embedding then reads the lm_head's packed weight where cpu_linear.c packed it (oneDNN's packing is
+    opaque, and the chunks keep the embedding's own weight)."""
+    kind = linear_kind(model.lm_head.weight.dtype)
+    if kind == "mkl":
+        return 0
     count = replace_modules(model, nn.Linear, lambda linear: twin(kind, linear))
     if model.tie_word_embeddings and isinstance(model.lm_head, NativeLinear):
         model.set_submodule(model.embedding_module, PackedEmbedding(model.lm_head))

@@ -59,15 +59,24 @@ INLINE v8f widen8(const uint16_t *p) {
 #endif
 }
 
-/* Input rows [i0, i0 + rows) of xf against one panel, whose outputs are columns [n0, n0 + PANEL) of out. */
-INLINE void tile(const float *restrict xf, int64_t k, const uint16_t *restrict panel, int64_t i0, int64_t rows,
-                 const uint16_t *restrict bias, uint16_t *restrict out, int64_t n, int64_t n0) {
+/* Eight weights of a panel at `at`: float32 where f32, else bfloat16 widened. */
+INLINE v8f weights8(const void *panel, int64_t at, int f32) {
+    if (!f32) return widen8((const uint16_t *)panel + at);
+    v8f w;
+    memcpy(&w, (const float *)panel + at, sizeof w);
+    return w;
+}
+
+/* Input rows [i0, i0 + rows) of x (float32, x_row apart) against one panel, whose outputs are columns
+   [n0, n0 + PANEL) of out; the panel, bias and out float32 where f32, else bfloat16. */
+INLINE void tile(const float *restrict x, int64_t x_row, int64_t k, const void *restrict panel, int64_t i0,
+                 int64_t rows, const void *restrict bias, void *restrict out, int64_t n, int64_t n0, int f32) {
     v8f lo[ROWS] = {{0}}, hi[ROWS] = {{0}};
-    const float *restrict xr = xf + i0 * k;
+    const float *restrict xr = x + i0 * x_row;
     for (int64_t d = 0; d < k; d++) {
-        const v8f a = widen8(panel + d * PANEL), b = widen8(panel + d * PANEL + 8);
+        const v8f a = weights8(panel, d * PANEL, f32), b = weights8(panel, d * PANEL + 8, f32);
         for (int64_t i = 0; i < rows; i++) {
-            const float s = xr[i * k + d];
+            const float s = xr[i * x_row + d];
             const v8f sv = {s, s, s, s, s, s, s, s};
             lo[i] += sv * a;
             hi[i] += sv * b;
@@ -78,33 +87,60 @@ INLINE void tile(const float *restrict xf, int64_t k, const uint16_t *restrict p
         float sums[PANEL];
         memcpy(sums, &lo[i], sizeof lo[i]);
         memcpy(sums + 8, &hi[i], sizeof hi[i]);
-        for (int64_t c = 0; c < cols; c++)
-            out[(i0 + i) * n + n0 + c] = to_bf16(bias ? sums[c] + from_bf16(bias[n0 + c]) : sums[c]);
+        const int64_t at = (i0 + i) * n + n0;
+        for (int64_t c = 0; c < cols; c++) {
+            if (f32) {
+                ((float *)out)[at + c] = bias ? sums[c] + ((const float *)bias)[n0 + c] : sums[c];
+            } else {
+                const float b = bias ? from_bf16(((const uint16_t *)bias)[n0 + c]) : 0;
+                ((uint16_t *)out)[at + c] = to_bf16(bias ? sums[c] + b : sums[c]);
+            }
+        }
     }
 }
 
-static int fma_linear(const uint16_t *x, int64_t x_row, const uint16_t *panels, const uint16_t *bias, uint16_t *out,
-                      int64_t m, int64_t n, int64_t k, int threads) {
+/* Every input row against panel p: the panel stays in cache while the rows stream by. */
+INLINE void panel_rows(const float *x, int64_t x_row, const void *panels, const void *bias, void *out, int64_t m,
+                       int64_t n, int64_t k, int64_t p, int f32) {
+    const void *panel = (const char *)panels + p * k * PANEL * (f32 ? sizeof(float) : sizeof(uint16_t));
+    int64_t i = 0;
+    for (; i + ROWS <= m; i += ROWS) tile(x, x_row, k, panel, i, ROWS, bias, out, n, p * PANEL, f32);
+    _Static_assert(ROWS == 6, "the cases below are the counts below ROWS");
+    switch (m - i) { /* the rest as a constant count, so that the compiler unrolls the loop over rows */
+    case 5: tile(x, x_row, k, panel, i, 5, bias, out, n, p * PANEL, f32); break;
+    case 4: tile(x, x_row, k, panel, i, 4, bias, out, n, p * PANEL, f32); break;
+    case 3: tile(x, x_row, k, panel, i, 3, bias, out, n, p * PANEL, f32); break;
+    case 2: tile(x, x_row, k, panel, i, 2, bias, out, n, p * PANEL, f32); break;
+    case 1: tile(x, x_row, k, panel, i, 1, bias, out, n, p * PANEL, f32); break;
+    }
+}
+
+/* panel_rows compiled once per weight type: the type is a constant inside, the loop over panels shared */
+typedef void panel_fn(const float *, int64_t, const void *, const void *, void *, int64_t, int64_t, int64_t, int64_t);
+static void panel_rows_bf16(const float *x, int64_t x_row, const void *panels, const void *bias, void *out,
+                            int64_t m, int64_t n, int64_t k, int64_t p) {
+    panel_rows(x, x_row, panels, bias, out, m, n, k, p, 0);
+}
+static void panel_rows_f32(const float *x, int64_t x_row, const void *panels, const void *bias, void *out, int64_t m,
+                           int64_t n, int64_t k, int64_t p) {
+    panel_rows(x, x_row, panels, bias, out, m, n, k, p, 1);
+}
+
+static void fma_linear(panel_fn *rows_of, const float *x, int64_t x_row, const void *panels, const void *bias,
+                       void *out, int64_t m, int64_t n, int64_t k, int threads) {
+    const int64_t count = (n + PANEL - 1) / PANEL;
+    #pragma omp parallel for schedule(static) num_threads(threads) if(threads > 1)
+    for (int64_t p = 0; p < count; p++) rows_of(x, x_row, panels, bias, out, m, n, k, p);
+}
+
+/* bfloat16 inputs, widened once: each is read by every panel */
+static int fma_linear_bf16(const uint16_t *x, int64_t x_row, const uint16_t *panels, const uint16_t *bias,
+                           uint16_t *out, int64_t m, int64_t n, int64_t k, int threads) {
     float *xf = malloc((size_t)(m * k + 1) * sizeof *xf); /* + 1: never malloc(0), which may give NULL */
     if (!xf) return -1;
     for (int64_t i = 0; i < m; i++)
         for (int64_t d = 0; d < k; d++) xf[i * k + d] = from_bf16(x[i * x_row + d]);
-    const int64_t count = (n + PANEL - 1) / PANEL;
-    /* a panel at a time, every input row against it: the panel stays in cache while the rows stream by */
-    #pragma omp parallel for schedule(static) num_threads(threads) if(threads > 1)
-    for (int64_t p = 0; p < count; p++) {
-        const uint16_t *panel = panels + p * k * PANEL;
-        int64_t i = 0;
-        for (; i + ROWS <= m; i += ROWS) tile(xf, k, panel, i, ROWS, bias, out, n, p * PANEL);
-        _Static_assert(ROWS == 6, "the cases below are the counts below ROWS");
-        switch (m - i) { /* the rest as a constant count, so that the compiler unrolls the loop over rows */
-        case 5: tile(xf, k, panel, i, 5, bias, out, n, p * PANEL); break;
-        case 4: tile(xf, k, panel, i, 4, bias, out, n, p * PANEL); break;
-        case 3: tile(xf, k, panel, i, 3, bias, out, n, p * PANEL); break;
-        case 2: tile(xf, k, panel, i, 2, bias, out, n, p * PANEL); break;
-        case 1: tile(xf, k, panel, i, 1, bias, out, n, p * PANEL); break;
-        }
-    }
+    fma_linear(panel_rows_bf16, xf, k, panels, bias, out, m, n, k, threads);
     free(xf);
     return 0;
 }
@@ -355,8 +391,9 @@ int bf16_amx(void) {
 #endif
 }
 
-/* How many bfloat16 the packed [n, k] weight takes, for AMX tiles (amx) or fused multiply-adds. */
-int64_t bf16_packed_size(int64_t n, int64_t k, int amx) {
+/* How many values (bfloat16, or float32 for f32_pack) the packed [n, k] weight takes, for AMX tiles (amx) or fused
+   multiply-adds. */
+int64_t packed_size(int64_t n, int64_t k, int amx) {
     return amx ? round_up(n, 2 * PANEL) * round_up(k, TILE_K) : round_up(n, PANEL) * k;
 }
 
@@ -368,23 +405,45 @@ INLINE int64_t packed_at(int64_t row, int64_t d, int64_t k, int amx) {
     return (p * k + d) * PANEL + c;
 }
 
-/* w [n, k] into `packed` (bf16_packed_size elements), in the layout bf16_linear reads with the same `amx`; the
-   padding (to whole panels, or pairs of panels and tile rows with AMX) zero. */
-void bf16_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed, int amx) {
+/* w [n, k] of `size`-byte values into `packed` (packed_size values) in the layout of `amx`, the padding (to whole
+   panels, or pairs of panels and tile rows with AMX) zero. */
+INLINE void pack(const void *w, int64_t n, int64_t k, void *packed, int amx, size_t size) {
     const int64_t rows = amx ? round_up(n, 2 * PANEL) : round_up(n, PANEL), cols = amx ? round_up(k, TILE_K) : k;
     for (int64_t row = 0; row < rows; row++)
-        for (int64_t d = 0; d < cols; d++) packed[packed_at(row, d, k, amx)] = row < n && d < k ? w[row * k + d] : 0;
+        for (int64_t d = 0; d < cols; d++) {
+            char *to = (char *)packed + packed_at(row, d, k, amx) * size;
+            if (row < n && d < k) memcpy(to, (const char *)w + (row * k + d) * size, size);
+            else memset(to, 0, size);
+        }
 }
 
-/* out [count, k] = the rows `ids` of the weight packed by bf16_pack with the same `amx` (a tied model's token
-   embedding, read from its lm_head). Returns 0, or -1 when an id is not in [0, n) (out then undefined). */
-int bf16_unpack_rows(const uint16_t *packed, int64_t n, int64_t k, const int64_t *ids, int64_t count, uint16_t *out,
-                     int amx) {
+/* out [count, k] = the rows `ids` of a weight packed in the layout of `amx` (a tied model's token embedding, read
+   from its lm_head). Returns 0, or -1 when an id is not in [0, n) (out then undefined). */
+INLINE int unpack_rows(const void *packed, int64_t n, int64_t k, const int64_t *ids, int64_t count, void *out,
+                       int amx, size_t size) {
     for (int64_t i = 0; i < count; i++)
         if (ids[i] < 0 || ids[i] >= n) return -1;
     for (int64_t i = 0; i < count; i++)
-        for (int64_t d = 0; d < k; d++) out[i * k + d] = packed[packed_at(ids[i], d, k, amx)];
+        for (int64_t d = 0; d < k; d++)
+            memcpy((char *)out + (i * k + d) * size, (const char *)packed + packed_at(ids[i], d, k, amx) * size, size);
     return 0;
+}
+
+/* bf16_linear's weight: bfloat16 w [n, k] packed for AMX tiles (amx) or fused multiply-adds */
+void bf16_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed, int amx) {
+    pack(w, n, k, packed, amx, sizeof *w);
+}
+
+int bf16_unpack_rows(const uint16_t *packed, int64_t n, int64_t k, const int64_t *ids, int64_t count, uint16_t *out,
+                     int amx) {
+    return unpack_rows(packed, n, k, ids, count, out, amx, sizeof *out);
+}
+
+/* f32_linear's weight: float32 w [n, k] packed for fused multiply-adds */
+void f32_pack(const float *w, int64_t n, int64_t k, float *packed) { pack(w, n, k, packed, 0, sizeof *w); }
+
+int f32_unpack_rows(const float *packed, int64_t n, int64_t k, const int64_t *ids, int64_t count, float *out) {
+    return unpack_rows(packed, n, k, ids, count, out, 0, sizeof *out);
 }
 
 /* out [m, n] = x w^T + bias; gated (AMX tiles only): out [m, n] = silu(gate) * up of the merged gate|up
@@ -402,5 +461,23 @@ int bf16_linear(const uint16_t *x, int64_t x_row, const uint16_t *packed, const 
         return amx_linear(x, x_row, packed, &o, k, threads);
     }
 #endif
-    return fma_linear(x, x_row, packed, bias, out, m, n, k, threads);
+    return fma_linear_bf16(x, x_row, packed, bias, out, m, n, k, threads);
+}
+
+/* Whether f32_linear was measured faster than torch's float32 linear (MKL) here: on AVX2 with FMA, at every row
+   count from 1 to 2,048 (RESULTS.md). With AVX-512, MKL multiplies 16 lanes at a time, this kernel 8. */
+int f32_linear_preferred(void) {
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* out [m, n] = x w^T + bias in float32, x [m, k] with rows x_row apart, the weight packed by f32_pack, bias [n] or
+   NULL: each output one chain of multiply-adds (fused, where the CPU has FMA) over its input columns in order,
+   whatever the batch. */
+void f32_linear(const float *x, int64_t x_row, const float *packed, const float *bias, float *out, int64_t m,
+                int64_t n, int64_t k, int threads) {
+    if (m > 0 && n > 0) fma_linear(panel_rows_f32, x, x_row, packed, bias, out, m, n, k, threads);
 }

@@ -78,8 +78,8 @@ def _remove_stale(target: Path) -> None:
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
-    """The kernel library with its entry points typed (`paged_attention`, `bf16_linear` and its packing,
-    `bf16_rms_norm`, `bf16_silu_mul`, `bf16_rotary`, `rows_argmax`), or None when it cannot be built here
+    """The kernel library with its entry points typed (`paged_attention`, `bf16_linear` and `f32_linear` with their
+    packing, `bf16_rms_norm`, `bf16_silu_mul`, `bf16_rotary`, `rows_argmax`), or None when it cannot be built here
     (logged)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
@@ -110,12 +110,20 @@ def load() -> ctypes.CDLL | None:
                                 ctypes.c_int]
     lib.bf16_amx.restype = ctypes.c_int
     lib.bf16_amx.argtypes = []
-    lib.bf16_packed_size.restype = _I64
-    lib.bf16_packed_size.argtypes = [_I64, _I64, ctypes.c_int]
+    lib.packed_size.restype = _I64
+    lib.packed_size.argtypes = [_I64, _I64, ctypes.c_int]
     lib.bf16_pack.restype = None
     lib.bf16_pack.argtypes = [_PTR, _I64, _I64, _PTR, ctypes.c_int]
     lib.bf16_unpack_rows.restype = ctypes.c_int
     lib.bf16_unpack_rows.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, ctypes.c_int]
+    lib.f32_linear_preferred.restype = ctypes.c_int
+    lib.f32_linear_preferred.argtypes = []
+    lib.f32_linear.restype = None
+    lib.f32_linear.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int]
+    lib.f32_pack.restype = None
+    lib.f32_pack.argtypes = [_PTR, _I64, _I64, _PTR]
+    lib.f32_unpack_rows.restype = ctypes.c_int
+    lib.f32_unpack_rows.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR]
     lib.bf16_rms_norm.restype = None
     lib.bf16_rms_norm.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_float]
     lib.bf16_silu_mul_vectorized.restype = ctypes.c_int

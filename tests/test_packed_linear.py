@@ -1,7 +1,7 @@
-"""bfloat16 linears on the CPU: oneDNN's packed ones give exactly the plain linears' logits; kernels/cpu_linear.c's
-(AMX tiles, or float32 fused multiply-adds) and the float32 chunks give the exact product within float32's
-summation error, rounded once; cpu_linear.c gives a row the same bits in any batch, and with AMX tiles a row alone
-gets torch's own bfloat16 linear bit for bit."""
+"""bfloat16 and float32 linears on the CPU: oneDNN's packed ones give exactly the plain linears' logits;
+kernels/cpu_linear.c's (AMX tiles, or float32 fused multiply-adds) and the float32 chunks give the exact product
+within float32's summation error, rounded once; cpu_linear.c gives a row the same bits in any batch, and with AMX
+tiles a row alone gets torch's own bfloat16 linear bit for bit."""
 from __future__ import annotations
 
 import pytest
@@ -16,8 +16,9 @@ native_only = pytest.mark.skipif(not native_bfloat16(), reason="oneDNN has no na
 
 def packed(way: str, linear: torch.nn.Linear) -> torch.nn.Module:
     """`linear` packed the `way` given (`packed_linear.twin`), or the test skipped where this CPU lacks it."""
-    if way not in available_kinds():
-        pytest.skip(f"no {way} here ({', '.join(available_kinds())})")
+    kinds = available_kinds(linear.weight.dtype)
+    if way not in kinds:
+        pytest.skip(f"no {way} here ({', '.join(kinds)})")
     return twin(way, linear)
 
 
@@ -71,10 +72,10 @@ def test_a_bfloat16_model_with_packed_linears_gives_the_same_logits(arch, tokens
 WAYS = ["amx", "fma", "chunks"]
 
 
-def linear_772_to_602(bias: bool) -> torch.nn.Linear:
+def linear_772_to_602(bias: bool, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Linear:
     """602 outputs end in a part panel of cpu_linear.c (and of the chunks' 256 rows); 772 inputs in a part tile row
     of 32."""
-    return torch.nn.Linear(772, 602, bias=bias).to(torch.bfloat16)
+    return torch.nn.Linear(772, 602, bias=bias).to(dtype)
 
 
 @pytest.mark.parametrize("way", WAYS)
@@ -101,14 +102,40 @@ def test_a_bfloat16_linear_gives_the_exact_product_of_the_bfloat16_values_rounde
         assert ((out.double() - exact).abs() <= bound).all(), name
 
 
-@pytest.mark.parametrize("way", ["amx", "fma"])
-def test_cpu_linear_gives_a_row_the_same_bits_in_any_batch(way):
+@pytest.mark.parametrize("tokens,bias", [(1, False), (5, True), (13, False), (64, True)])
+def test_a_float32_linear_through_cpu_linear_gives_the_exact_product_within_float32_summation_error(tokens, bias):
+    """The float32 way of cpu_linear.c (the default where it beats MKL): no bfloat16 anywhere, the inputs read in
+    place whatever their row stride."""
+    torch.manual_seed(tokens)
+    linear = linear_772_to_602(bias, torch.float32)
+    module = packed("fma", linear)
+    assert module.packed.dtype == torch.float32
+    rows = torch.randn(tokens, 2 * 772)
+    inputs = {"rows strided apart": rows[:, :772], "3-D": rows[:, :772].reshape(1, tokens, 772),
+              "columns strided apart": rows[:, ::2], "bfloat16": rows[:, :772].to(torch.bfloat16)}
+    for name, x in inputs.items():
+        exact = torch.nn.functional.linear(x.double(), linear.weight.double(),
+                                           None if linear.bias is None else linear.bias.double())
+        with torch.inference_mode():
+            out = module(x)
+        assert out.dtype == x.dtype and out.shape == x.shape[:-1] + (602,), name
+        if x.dtype == torch.bfloat16:  # the float32 result rounded once to the input's dtype
+            assert torch.equal(out, module(x.float()).to(torch.bfloat16)), name
+            continue
+        # 772 products and the bias summed in float32: within 773 units of float32 of the sum of their magnitudes
+        magnitudes = torch.nn.functional.linear(x.double().abs(), linear.weight.double().abs(),
+                                                None if linear.bias is None else linear.bias.double().abs())
+        assert ((out.double() - exact).abs() <= 773 * 2 ** -24 * magnitudes).all(), name
+
+
+@pytest.mark.parametrize("way,dtype", [("amx", torch.bfloat16), ("fma", torch.bfloat16), ("fma", torch.float32)])
+def test_cpu_linear_gives_a_row_the_same_bits_in_any_batch(way, dtype):
     """Each output sums its products in one order whatever the batch: a sequence's logits do not change with the
     sequences beside it, nor when a restarted worker recomputes its prefix in one prefill. 70 rows: whole and part
     tiles of 16 rows, and row blocks beyond the first four."""
     torch.manual_seed(0)
-    module = packed(way, linear_772_to_602(bias=True))
-    x = torch.randn(70, 772).to(torch.bfloat16)
+    module = packed(way, linear_772_to_602(bias=True, dtype=dtype))
+    x = torch.randn(70, 772).to(dtype)
     with torch.inference_mode():
         batch = module(x)
         for i in range(70):
@@ -130,17 +157,17 @@ def test_a_row_alone_through_amx_tiles_gets_torchs_own_bfloat16_linear(n, k, bia
             assert torch.equal(module(row), linear(row))
 
 
-@pytest.mark.parametrize("amx", [True, False])
-def test_a_tied_embedding_reads_its_rows_from_the_packed_lm_head_bit_for_bit(amx):
-    """Both layouts of cpu_linear.c (packing needs no AMX, only multiplying does): every row of the vocabulary,
-    in any shape of ids, and an id out of the vocabulary is refused as nn.Embedding refuses it."""
+@pytest.mark.parametrize("amx,dtype", [(True, torch.bfloat16), (False, torch.bfloat16), (False, torch.float32)])
+def test_a_tied_embedding_reads_its_rows_from_the_packed_lm_head_bit_for_bit(amx, dtype):
+    """Both layouts of cpu_linear.c (packing needs no AMX, only multiplying does), and float32's: every row of the
+    vocabulary, in any shape of ids, and an id out of the vocabulary is refused as nn.Embedding refuses it."""
     from kernels import native
 
     if native.load() is None:
         pytest.skip("no C compiler: cpu_linear.c is not built")
     torch.manual_seed(1)
-    embedding = torch.nn.Embedding(602, 772).to(torch.bfloat16)  # a part panel, a part tile row
-    lm_head = torch.nn.Linear(772, 602, bias=False).to(torch.bfloat16)
+    embedding = torch.nn.Embedding(602, 772).to(dtype)  # a part panel, a part tile row
+    lm_head = torch.nn.Linear(772, 602, bias=False).to(dtype)
     lm_head.weight = embedding.weight
     packed = NativeLinear(lm_head, native.load(), amx=amx)
     # the layout itself, built with torch: panels of 16 rows, as [k][16], or with AMX as [k / 2][16][2] with k padded

@@ -8,6 +8,7 @@ import torch
 from plan_builder import PlanBuilder, run_until
 from worker_oracle import ARCHS, hf_greedy, prompts, single_thread, write_tiny  # noqa: F401 (fixture)
 
+from gpu_worker import packed_linear
 from gpu_worker.loader import ModelLoadError, checkpoint_files, load_config, resolve_dtype
 from gpu_worker.models import ARCHITECTURES, UnsupportedModelError
 from gpu_worker.models.layers import rope_inv_freq
@@ -46,6 +47,9 @@ def test_builtin_tiny_model_matches_transformers(tiny_model_dir):
     worker = worker_for(tiny_model_dir, block_size=8, num_blocks=2 * NUM_BLOCKS)
     assert worker.runner.dtype == torch.float32  # bf16 checkpoint, float32 on CPU by default
     assert worker.runner.backend.__name__ == "kernels.cpu_attention"  # the default on CPU
+    # float32 linears through kernels/cpu_linear.c where it beats MKL (AVX2 without AVX-512), else torch's own
+    native = packed_linear.linear_kind(torch.float32) == "fma"
+    assert isinstance(worker.runner.model.lm_head, packed_linear.NativeLinear) == native
     assert generate(worker, batch) == hf_greedy(tiny_model_dir, batch, NEW_TOKENS)
 
 
