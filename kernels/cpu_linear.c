@@ -68,13 +68,17 @@ INLINE v8f weights8(const void *panel, int64_t at, int f32) {
 }
 
 /* Input rows [i0, i0 + rows) of x (float32, x_row apart) against one panel, whose outputs are columns
-   [n0, n0 + PANEL) of out; the panel, bias and out float32 where f32, else bfloat16. */
+   [n0, n0 + PANEL) of out; the panel, bias and out float32 where f32, else bfloat16. `next` (or NULL): the panel
+   to prefetch into L2 meanwhile, so that a decode step's few rows do not wait on memory for each panel. */
 INLINE void tile(const float *restrict x, int64_t x_row, int64_t k, const void *restrict panel, int64_t i0,
-                 int64_t rows, const void *restrict bias, void *restrict out, int64_t n, int64_t n0, int f32) {
+                 int64_t rows, const void *restrict bias, void *restrict out, int64_t n, int64_t n0,
+                 const char *next, int f32) {
     v8f lo[ROWS] = {{0}}, hi[ROWS] = {{0}};
     const float *restrict xr = x + i0 * x_row;
+    const int64_t line = f32 ? 1 : 2; /* input columns per 64-byte line of a panel */
     for (int64_t d = 0; d < k; d++) {
         const v8f a = weights8(panel, d * PANEL, f32), b = weights8(panel, d * PANEL + 8, f32);
+        if (next && d % line == 0) __builtin_prefetch(next + d * 64 / line, 0, 2);
         for (int64_t i = 0; i < rows; i++) {
             const float s = xr[i * x_row + d];
             const v8f sv = {s, s, s, s, s, s, s, s};
@@ -99,19 +103,21 @@ INLINE void tile(const float *restrict x, int64_t x_row, int64_t k, const void *
     }
 }
 
-/* Every input row against panel p: the panel stays in cache while the rows stream by. */
+/* Every input row against panel p: the panel stays in cache while the rows stream by; the first tile prefetches
+   the next panel. */
 INLINE void panel_rows(const float *x, int64_t x_row, const void *panels, const void *bias, void *out, int64_t m,
                        int64_t n, int64_t k, int64_t p, int f32) {
-    const void *panel = (const char *)panels + p * k * PANEL * (f32 ? sizeof(float) : sizeof(uint16_t));
+    const int64_t bytes = k * PANEL * (f32 ? sizeof(float) : sizeof(uint16_t));
+    const char *panel = (const char *)panels + p * bytes, *next = p + 1 < (n + PANEL - 1) / PANEL ? panel + bytes : 0;
     int64_t i = 0;
-    for (; i + ROWS <= m; i += ROWS) tile(x, x_row, k, panel, i, ROWS, bias, out, n, p * PANEL, f32);
+    for (; i + ROWS <= m; i += ROWS, next = 0) tile(x, x_row, k, panel, i, ROWS, bias, out, n, p * PANEL, next, f32);
     _Static_assert(ROWS == 6, "the cases below are the counts below ROWS");
     switch (m - i) { /* the rest as a constant count, so that the compiler unrolls the loop over rows */
-    case 5: tile(x, x_row, k, panel, i, 5, bias, out, n, p * PANEL, f32); break;
-    case 4: tile(x, x_row, k, panel, i, 4, bias, out, n, p * PANEL, f32); break;
-    case 3: tile(x, x_row, k, panel, i, 3, bias, out, n, p * PANEL, f32); break;
-    case 2: tile(x, x_row, k, panel, i, 2, bias, out, n, p * PANEL, f32); break;
-    case 1: tile(x, x_row, k, panel, i, 1, bias, out, n, p * PANEL, f32); break;
+    case 5: tile(x, x_row, k, panel, i, 5, bias, out, n, p * PANEL, next, f32); break;
+    case 4: tile(x, x_row, k, panel, i, 4, bias, out, n, p * PANEL, next, f32); break;
+    case 3: tile(x, x_row, k, panel, i, 3, bias, out, n, p * PANEL, next, f32); break;
+    case 2: tile(x, x_row, k, panel, i, 2, bias, out, n, p * PANEL, next, f32); break;
+    case 1: tile(x, x_row, k, panel, i, 1, bias, out, n, p * PANEL, next, f32); break;
     }
 }
 
