@@ -196,11 +196,6 @@ def twin(kind: str, linear: nn.Linear) -> nn.Module:
     return PackedLinear(linear) if kind == "onednn" else ChunkedLinear(linear)
 
 
-def batch_invariant() -> bool:
-    """Whether a row's bfloat16 linear outputs here are the same bits whatever the rows beside it."""
-    return linear_kind() in NATIVE_KINDS
-
-
 def pack_linears(model: CausalLM) -> int:
     """Replace every nn.Linear of `model` (loaded, bfloat16 or float32, on the CPU) by its packed twin; how many. A
     tied token embedding then reads the lm_head's packed weight where cpu_linear.c packed it (oneDNN's packing is

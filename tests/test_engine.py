@@ -57,24 +57,27 @@ def test_greedy_matches_transformers(tiny_model_dir, hf_model, settings):
         assert eng.cluster.stats(0.0).preemptions > 0
 
 
-def test_a_bfloat16_sequence_gets_the_same_bits_alone_batched_chunked_or_recomputed(tiny_model_dir):
-    """Where the bfloat16 linears are kernels/cpu_linear.c's (AMX tiles, or float32 fused multiply-adds on CPUs
-    without native bfloat16), every op sums a token's values in one order whatever else is in the step, and the
-    attention does too, decode or prefill chunk (kernels/cpu_attention.c). So a sequence's logprobs are the same
-    bits alone, in a batch with chunked prefills, or preempted and prefilled again, as after a worker's restart."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_sequence_gets_the_same_bits_alone_batched_chunked_or_recomputed(tiny_model_dir, dtype):
+    """Where the linears are kernels/cpu_linear.c's (bfloat16: AMX tiles, or float32 fused multiply-adds on CPUs
+    without native bfloat16; float32: fused multiply-adds where they beat MKL), every op sums a token's values in
+    one order whatever else is in the step, and the attention does too, decode or prefill chunk
+    (kernels/cpu_attention.c). So a sequence's logprobs are the same bits alone, in a batch with chunked prefills,
+    or preempted and prefilled again, as after a worker's restart."""
     from gpu_worker import packed_linear
 
-    if not packed_linear.batch_invariant():
-        pytest.skip("oneDNN's bfloat16 linears without AMX (or no C compiler): sums in an order that depends on the "
+    kind = packed_linear.linear_kind(getattr(torch, dtype))
+    if kind not in packed_linear.NATIVE_KINDS:
+        pytest.skip(f"{dtype} linears not through cpu_linear.c here ({kind}): sums in an order that depends on the "
                     "batch")
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=0)
     prompts = make_prompts(6, seed=21)
-    solo = engine(tiny_model_dir, dtype="bfloat16")
+    solo = engine(tiny_model_dir, dtype=dtype)
     alone = [solo.generate([prompt], params)[0].samples[0] for prompt in prompts]
     # the same block size throughout, as a restarted worker keeps it: the attention's online softmax rescales
     # block by block, so another block size may round a token's output otherwise
-    chunked = engine(tiny_model_dir, dtype="bfloat16", max_num_batched_tokens=24)
-    recompute = engine(tiny_model_dir, dtype="bfloat16", num_blocks=20)
+    chunked = engine(tiny_model_dir, dtype=dtype, max_num_batched_tokens=24)
+    recompute = engine(tiny_model_dir, dtype=dtype, num_blocks=20)
     for eng in (chunked, recompute):
         samples = [completion.samples[0] for completion in eng.generate(prompts, params)]
         assert [s.token_ids for s in samples] == [s.token_ids for s in alone]
