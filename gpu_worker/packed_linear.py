@@ -40,8 +40,8 @@ from kernels import native
 CHUNK_ROWS = 256  # the fallback's float32 chunk: 768 KiB at 768 inputs, in cache
 KINDS = {"amx": "AMX tiles (kernels/cpu_linear.c), a row's outputs the same whatever the batch",
          "onednn": "oneDNN's bfloat16 matmul, weights packed once",
-         "fma": "bfloat16 weights widened to float32 in registers (kernels/cpu_linear.c), a row's outputs the same "
-                "whatever the batch",
+         "fma": "float32 fused multiply-adds (kernels/cpu_linear.c; bfloat16 weights widened in registers), a row's "
+                "outputs the same whatever the batch",
          "chunks": "float32 chunks for MKL (no C compiler and no native bfloat16)",
          "mkl": "torch's own float32 linear (MKL)"}
 NATIVE_KINDS = ("amx", "fma")  # through kernels/cpu_linear.c: a row's outputs the same bits in any batch
