@@ -45,14 +45,14 @@ class ModelRunner:
         self.backend = attention_backend(settings.attention_backend, self.device.type)
         free_before, total = torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else (0, 0)
         self.model = load_model(model_dir, config, self.max_model_len, self.device, self.dtype, progress)
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            native_mlp.swap_mlps(self.model)  # first: the gate|up projection is packed gated where it can be
-            packed_linear.pack_linears(self.model)
-            native_norm.swap_norms(self.model)
-            native_rotary.swap_rotaries(self.model)
-        elif self.device.type == "cpu" and self.dtype == torch.float32:
-            packed_linear.pack_linears(self.model)
         if self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32):
+            bfloat16 = self.dtype == torch.bfloat16
+            if bfloat16:
+                native_mlp.swap_mlps(self.model)  # first: the gate|up projection is packed gated where it can be
+            packed_linear.pack_linears(self.model)
+            if bfloat16:
+                native_norm.swap_norms(self.model)
+                native_rotary.swap_rotaries(self.model)
             log.info("%s linears: %s", str(self.dtype).removeprefix("torch."),
                      packed_linear.KINDS[packed_linear.linear_kind(self.dtype)])
         layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]

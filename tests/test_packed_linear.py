@@ -78,6 +78,18 @@ def linear_772_to_602(bias: bool, dtype: torch.dtype = torch.bfloat16) -> torch.
     return torch.nn.Linear(772, 602, bias=bias).to(dtype)
 
 
+def inputs_772(tokens: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """`tokens` rows of 772 inputs in each layout a linear is given: rows strided apart, 3-D, columns strided."""
+    rows = torch.randn(tokens, 2 * 772).to(dtype)
+    return {"rows strided apart": rows[:, :772], "3-D": rows[:, :772].reshape(1, tokens, 772),
+            "columns strided apart": rows[:, ::2]}
+
+
+def in_float64(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x weight^T + bias in float64: exact for these sizes' products and sums, an oracle for any order."""
+    return torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
+
+
 @pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("tokens,bias", [(1, False), (5, True), (13, False), (64, True)])
 def test_a_bfloat16_linear_gives_the_exact_product_of_the_bfloat16_values_rounded_once(tokens, bias, way):
@@ -86,18 +98,14 @@ def test_a_bfloat16_linear_gives_the_exact_product_of_the_bfloat16_values_rounde
     module = packed(way, linear)
     kept = module.weight if way == "chunks" else module.packed
     assert kept.dtype == torch.bfloat16  # no float32 copy of the weights kept
-    rows = torch.randn(tokens, 2 * 772).to(torch.bfloat16)
-    inputs = {"rows strided apart": rows[:, :772], "3-D": rows[:, :772].reshape(1, tokens, 772),
-              "columns strided apart": rows[:, ::2]}
-    for name, x in inputs.items():
-        exact = torch.nn.functional.linear(x.double(), linear.weight.double(),
-                                           None if linear.bias is None else linear.bias.double())
+    for name, x in inputs_772(tokens, torch.bfloat16).items():
+        exact = in_float64(x, linear.weight, linear.bias)
         with torch.inference_mode():
             out = module(x)
         assert out.dtype == torch.bfloat16 and out.shape == x.shape[:-1] + (602,), name
         # float32 sums of 772 products in any order: within 772 units of float32 of the sum of their magnitudes;
         # then one rounding to bfloat16
-        magnitudes = torch.nn.functional.linear(x.double().abs(), linear.weight.double().abs())
+        magnitudes = in_float64(x.abs(), linear.weight.abs())
         bound = 772 * 2 ** -24 * magnitudes + 2 ** -8 * exact.abs() * (1 + 2 ** -7)
         assert ((out.double() - exact).abs() <= bound).all(), name
 
@@ -110,12 +118,10 @@ def test_a_float32_linear_through_cpu_linear_gives_the_exact_product_within_floa
     linear = linear_772_to_602(bias, torch.float32)
     module = packed("fma", linear)
     assert module.packed.dtype == torch.float32
-    rows = torch.randn(tokens, 2 * 772)
-    inputs = {"rows strided apart": rows[:, :772], "3-D": rows[:, :772].reshape(1, tokens, 772),
-              "columns strided apart": rows[:, ::2], "bfloat16": rows[:, :772].to(torch.bfloat16)}
+    inputs = inputs_772(tokens, torch.float32)
+    inputs["bfloat16"] = inputs["rows strided apart"].to(torch.bfloat16)
     for name, x in inputs.items():
-        exact = torch.nn.functional.linear(x.double(), linear.weight.double(),
-                                           None if linear.bias is None else linear.bias.double())
+        exact = in_float64(x, linear.weight, linear.bias)
         with torch.inference_mode():
             out = module(x)
         assert out.dtype == x.dtype and out.shape == x.shape[:-1] + (602,), name
@@ -123,8 +129,7 @@ def test_a_float32_linear_through_cpu_linear_gives_the_exact_product_within_floa
             assert torch.equal(out, module(x.float()).to(torch.bfloat16)), name
             continue
         # 772 products and the bias summed in float32: within 773 units of float32 of the sum of their magnitudes
-        magnitudes = torch.nn.functional.linear(x.double().abs(), linear.weight.double().abs(),
-                                                None if linear.bias is None else linear.bias.double().abs())
+        magnitudes = in_float64(x.abs(), linear.weight.abs(), None if linear.bias is None else linear.bias.abs())
         assert ((out.double() - exact).abs() <= 773 * 2 ** -24 * magnitudes).all(), name
 
 
