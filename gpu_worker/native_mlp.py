@@ -31,7 +31,7 @@ class NativeGatedMLP(nn.Module):
         self.down_proj, self.kernel = mlp.down_proj, kernel
         # still torch's (swapped before pack_linears): packed here, gated
         self.gated = packed_linear.linear_kind() == "amx" and isinstance(mlp.gate_up_proj, nn.Linear)
-        self.gate_up_proj = (packed_linear.NativeLinear(mlp.gate_up_proj, kernel, amx=True, gated=True) if self.gated
+        self.gate_up_proj = (packed_linear.NativeLinear(mlp.gate_up_proj, kernel, "amx", gated=True) if self.gated
                              else mlp.gate_up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

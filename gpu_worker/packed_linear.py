@@ -7,7 +7,10 @@ a row's outputs then the same bits whatever the batch.
   sequence's bfloat16 tokens changed with the sequences beside it and when a restarted worker recomputed its
   prefix. Up to 16 rows it also takes 0.5-0.8× oneDNN's time (oneDNN spends ~40 µs a call before it
   multiplies), 0.6-1.3× at 64, 0.9-2.3× at 256 and 1.8-2× at 2,048 (prefill steps); RESULTS.md.
-- "onednn": torch's oneDNN matmul, on CPUs with native bfloat16 but no AMX (AVX-512 BF16), or without a C
+- "avx512bf16": cpu_linear.c with AVX-512 BF16's dot products (vdpbf16ps; Zen 4 and later, without AMX), the
+  instruction oneDNN uses there, in one order at any batch: 0.6-1.0× oneDNN's time at 1-64 rows, 1.0-1.1× at
+  256-2,048 (RESULTS.md).
+- "onednn": torch's oneDNN matmul, on CPUs with native bfloat16 and neither of the above, or without a C
   compiler. Packed once (`torch.ops.mkldnn._reorder_linear_weight`, what Inductor's CPU freezing does): unpacked,
   oneDNN reorders the weight on every call, doubling a decode step's memory traffic.
 - "fma": cpu_linear.c in float32 fused multiply-adds, widening bfloat16 weights in registers, on CPUs without
@@ -17,9 +20,10 @@ a row's outputs then the same bits whatever the batch.
   worker keeps freed memory in its heap, so the chunks cost no page faults).
 
 and `linear_kind(torch.float32)` for float32:
-- "fma": cpu_linear.c's fused multiply-adds on float32 weights, where they were measured faster than MKL at every
-  row count (AVX2 without AVX-512): 0.45-0.65x MKL's time at 8-64 rows (a decode step), 0.9-1.05x at 2,048. MKL's
-  float32 GEMM at a few rows runs at a third of its speed per row at one.
+- "fma": cpu_linear.c's fused multiply-adds on float32 weights, where they were measured faster than MKL: AVX2
+  without AVX-512, 0.45-0.65x MKL's time at 8-64 rows (a decode step), 0.9-1.05x at 2,048; AMD's AVX-512 (16
+  lanes, where MKL takes its AVX2 path), 0.3-0.65x at 8-2,048 rows. MKL's float32 GEMM at a few rows runs at a
+  third of its speed per row at one.
 - "mkl": torch's own linear, left as it is.
 
 Where cpu_linear.c packs a tied lm_head, the token embedding reads its rows from that packed weight
@@ -39,12 +43,13 @@ from kernels import native
 
 CHUNK_ROWS = 256  # the fallback's float32 chunk: 768 KiB at 768 inputs, in cache
 KINDS = {"amx": "AMX tiles (kernels/cpu_linear.c), a row's outputs the same whatever the batch",
+         "avx512bf16": "AVX-512 BF16 dot products (kernels/cpu_linear.c), a row's outputs the same whatever the batch",
          "onednn": "oneDNN's bfloat16 matmul, weights packed once",
          "fma": "float32 fused multiply-adds (kernels/cpu_linear.c; bfloat16 weights widened in registers), a row's "
                 "outputs the same whatever the batch",
          "chunks": "float32 chunks for MKL (no C compiler and no native bfloat16)",
          "mkl": "torch's own float32 linear (MKL)"}
-NATIVE_KINDS = ("amx", "fma")  # through kernels/cpu_linear.c: a row's outputs the same bits in any batch
+NATIVE_KINDS = ("amx", "avx512bf16", "fma")  # through kernels/cpu_linear.c: a row's outputs the same bits in any batch
 
 
 class PackedLinear(nn.Module):
@@ -61,33 +66,37 @@ class PackedLinear(nn.Module):
 
 
 class NativeLinear(nn.Module):
-    """A bfloat16 or float32 linear (its weight's dtype) through kernels/cpu_linear.c: bfloat16 with AMX tiles
-    (`amx`) or in float32 fused multiply-adds; float32 in fused multiply-adds.
+    """A bfloat16 or float32 linear (its weight's dtype) through kernels/cpu_linear.c, the `way` one of
+    `NATIVE_KINDS`: bfloat16 with AMX tiles, with AVX-512 BF16's dot products or in float32 fused multiply-adds;
+    float32 in fused multiply-adds.
 
     `gated` (AMX tiles only): `linear` is a merged gate|up projection, and the module gives silu(gate) * up, the
     activation in the kernel's epilogue (kernels/silu.h: the bits of the projection and kernels/cpu_act.c apart),
     so the projection's output, twice the activation's, is neither written out nor read back."""
 
-    def __init__(self, linear: nn.Linear, kernel: ctypes.CDLL, amx: bool, gated: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, kernel: ctypes.CDLL, way: str = "fma", gated: bool = False) -> None:
         super().__init__()
-        if gated and not amx:
+        if way not in NATIVE_KINDS:
+            raise ValueError(f"cpu_linear.c has no way {way!r} (it has {', '.join(NATIVE_KINDS)})")
+        if gated and way != "amx":
             raise ValueError("a gated NativeLinear needs AMX tiles")
         self.dtype = torch.float32 if linear.weight.dtype == torch.float32 else torch.bfloat16
-        if amx and self.dtype == torch.float32:
-            raise ValueError("AMX tiles multiply bfloat16, not float32")
+        if way != "fma" and self.dtype == torch.float32:
+            raise ValueError(f"the {way} way multiplies bfloat16, not float32")
         weight = linear.weight.detach().to(self.dtype)
         bias = None if linear.bias is None else linear.bias.detach().to(self.dtype)
         if gated:
             weight, bias = _in_pairs(weight), None if bias is None else _in_pairs(bias)
         k = self.in_features = linear.in_features
         self.out_features = linear.out_features // (2 if gated else 1)
-        self.kernel, self.amx, self.gated = kernel, int(amx), int(gated)
+        self.kernel, self.way, self.gated = kernel, native.LINEAR_WAYS[way], int(gated)
+        self.pairs = int(way != "fma")  # AMX tiles and vdpbf16ps read the weight in pairs of input columns
         weight = weight.contiguous()
-        self.packed = torch.empty(kernel.packed_size(weight.shape[0], k, self.amx), dtype=self.dtype)
+        self.packed = torch.empty(kernel.packed_size(weight.shape[0], k, self.pairs), dtype=self.dtype)
         if self.dtype == torch.float32:
             kernel.f32_pack(weight.data_ptr(), weight.shape[0], k, self.packed.data_ptr())
         else:
-            kernel.bf16_pack(weight.data_ptr(), weight.shape[0], k, self.packed.data_ptr(), self.amx)
+            kernel.bf16_pack(weight.data_ptr(), weight.shape[0], k, self.packed.data_ptr(), self.pairs)
         self.bias = None if bias is None else bias.contiguous()
         self._weights = (self.packed.data_ptr(), None if self.bias is None else self.bias.data_ptr())
 
@@ -100,14 +109,12 @@ class NativeLinear(nn.Module):
             rows = rows.contiguous()
         m = rows.shape[0]
         out = torch.empty(m, self.out_features, dtype=self.dtype)
-        if self.dtype == torch.float32:
-            self.kernel.f32_linear(rows.data_ptr(), rows.stride(0), *self._weights, out.data_ptr(), m,
-                                   self.out_features, self.in_features, torch.get_num_threads())
-        elif code := self.kernel.bf16_linear(rows.data_ptr(), rows.stride(0), *self._weights, out.data_ptr(), m,
-                                             self.out_features, self.in_features, torch.get_num_threads(), self.amx,
-                                             self.gated):
+        where = (rows.data_ptr(), rows.stride(0), *self._weights, out.data_ptr(), m, self.out_features,
+                 self.in_features, torch.get_num_threads())
+        if code := (self.kernel.f32_linear(*where) if self.dtype == torch.float32
+                    else self.kernel.bf16_linear(*where, self.way, self.gated)):
             raise MemoryError(f"cpu_linear.c could not allocate the copy of {m} × {self.in_features} inputs") \
-                if code == -1 else RuntimeError("cpu_linear.c: AMX tiles asked for and not granted")
+                if code == -1 else RuntimeError("cpu_linear.c: a way asked for that this process cannot take")
         out = out.view(*x.shape[:-1], self.out_features)
         return out if x.dtype == self.dtype else out.to(x.dtype)
 
@@ -128,7 +135,7 @@ class PackedEmbedding(nn.Module):
 
     def __init__(self, lm_head: NativeLinear) -> None:
         super().__init__()
-        self.packed, self.kernel, self.amx = lm_head.packed, lm_head.kernel, lm_head.amx
+        self.packed, self.kernel, self.pairs = lm_head.packed, lm_head.kernel, lm_head.pairs
         self.num_embeddings, self.embedding_dim = lm_head.out_features, lm_head.in_features
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -137,7 +144,7 @@ class PackedEmbedding(nn.Module):
         where = (self.packed.data_ptr(), self.num_embeddings, self.embedding_dim, flat.data_ptr(), flat.numel(),
                  out.data_ptr())
         if (self.kernel.f32_unpack_rows(*where) if self.packed.dtype == torch.float32
-                else self.kernel.bf16_unpack_rows(*where, self.amx)):
+                else self.kernel.bf16_unpack_rows(*where, self.pairs)):
             raise IndexError(f"a token id is out of the vocabulary [0, {self.num_embeddings})")
         return out.view(*ids.shape, self.embedding_dim)
 
@@ -176,6 +183,7 @@ def available_kinds(dtype: torch.dtype = torch.bfloat16) -> list[str]:
             return ["mkl"]
         return ["fma", "mkl"] if kernel.f32_linear_preferred() else ["mkl", "fma"]
     kinds = ["amx"] if kernel is not None and kernel.bf16_amx() else []
+    kinds += ["avx512bf16"] if kernel is not None and kernel.bf16_dp() else []
     kinds += ["onednn"] if native_bfloat16() else []
     kinds += ["fma"] if kernel is not None else []
     return kinds + ["chunks"]
@@ -190,7 +198,7 @@ def linear_kind(dtype: torch.dtype = torch.bfloat16) -> str:
 def twin(kind: str, linear: nn.Linear) -> nn.Module:
     """`linear` (bfloat16 or float32) packed for `kind`, one of `available_kinds(its dtype)`; "mkl" keeps it."""
     if kind in NATIVE_KINDS:
-        return NativeLinear(linear, native.load(), amx=kind == "amx")
+        return NativeLinear(linear, native.load(), kind)
     if kind == "mkl":
         return linear
     return PackedLinear(linear) if kind == "onednn" else ChunkedLinear(linear)

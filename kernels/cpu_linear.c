@@ -6,22 +6,27 @@
    bfloat16 tokens changed with the sequences beside it and when a restarted worker recomputed its prefix; and
    where the CPU has no native bfloat16, torch falls back to a slow path.
 
-   Two ways, chosen once per process (`bf16_amx`), with a weight layout each, packed here (`bf16_pack`):
-   - AMX tiles, where the CPU has them (Sapphire Rapids and later) and the kernel lets this process use them.
-     The weight in panels of 16 output columns, each [kp / 2][16][2] (the pairs of input columns that
-     `tdpbf16ps` multiplies together), kp = k padded with zeros to a multiple of 32, n to whole pairs of panels;
-     a tile of 16 input rows × 32 input columns against a panel's 16 × 32 adds into 16 × 16 float32 sums, 32
-     columns at a time in order. An output's sums depend only on its row and column, whatever tile row or batch
-     they are in.
+   Three ways (bf16_linear's `way`), with two weight layouts, packed here (`bf16_pack`):
+   - AMX tiles, where the CPU has them (Sapphire Rapids and later) and the kernel lets this process use them
+     (`bf16_amx`). The pairs' layout: the weight in panels of 16 output columns, each [kp / 2][16][2] (the pairs of
+     input columns that `tdpbf16ps` multiplies together), kp = k padded with zeros to a multiple of 32, n to whole
+     pairs of panels; a tile of 16 input rows × 32 input columns against a panel's 16 × 32 adds into 16 × 16
+     float32 sums, 32 columns at a time in order. An output's sums depend only on its row and column, whatever
+     tile row or batch they are in.
+   - AVX-512 BF16's `vdpbf16ps`, where the CPU has it and not AMX (Zen 4 and later, `bf16_dp`): the pairs' layout,
+     one instruction adding a pair of products into each of 16 float32 sums, a tile of up to DP_ROWS input rows ×
+     two panels keeping its sums in registers. At one row, the bits of oneDNN's own bfloat16 matmul on this CPU.
    - Elsewhere, fused multiply-adds in float32: the weight in panels of PANEL output columns, [k][PANEL], each
-     row widened in registers; a tile of up to ROWS input rows × PANEL outputs keeps its sums in registers.
+     row widened in registers; a tile of up to ROWS input rows × PANEL outputs keeps its sums in registers (16
+     lanes at a time with AVX-512, 8 with AVX2: the same bits).
 
    Layouts: x [m, k] bfloat16 with a row stride; w [n, k] bfloat16 contiguous (to pack); bias [n] bfloat16 or
    NULL; out [m, n] bfloat16 contiguous.
 
    float32 linears (`f32_linear`, `f32_pack`) take the fused multiply-adds' way and layout on float32 weights: where
-   the build has AVX2 without AVX-512 they beat MKL's float32 GEMM, which at a decode step's few rows runs at a
-   third of its one-row speed per row (`f32_linear_preferred`). Same layouts, in float32. */
+   measured faster than MKL's float32 GEMM (`f32_linear_preferred`), which at a decode step's few rows runs at a
+   third of its one-row speed per row. Same layouts, in float32. */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,40 +38,59 @@
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define HAVE_AMX 1
-#include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include "silu.h"
 #endif
 
-typedef float v8f __attribute__((vector_size(32)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
-typedef uint16_t v8h __attribute__((vector_size(16)));
-
-#define PANEL 16 /* output columns per panel: two vectors of 8, or one tile's columns */
-#define ROWS 6   /* input rows per tile: 12 accumulators, 2 widened weight vectors and a broadcast in 16 registers */
+#define PANEL 16 /* output columns per panel: one vector of 16 or two of 8, or one AMX tile's columns */
+#ifdef __AVX512F__
+#define LANES 16
+#define ROWS 12 /* input rows per tile: 12 accumulators, a weight vector and a broadcast in 32 registers */
+#else
+#define LANES 8
+#define ROWS 6 /* input rows per tile: 12 accumulators, 2 widened weight vectors and a broadcast in 16 registers */
+#endif
+#define VECS (PANEL / LANES) /* vectors per panel row */
+/* `REST(r)` for each count of rows below ROWS: a tile's rows are a constant in each case, so loops over them unroll */
+#if ROWS == 12
+#define REST_CASES REST(1) REST(2) REST(3) REST(4) REST(5) REST(6) REST(7) REST(8) REST(9) REST(10) REST(11)
+#else
+#define REST_CASES REST(1) REST(2) REST(3) REST(4) REST(5)
+#endif
+typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
+typedef uint16_t vh __attribute__((vector_size(LANES * 2)));
 #define TILE_K 32 /* input columns per AMX tile row: 64 bytes of bfloat16 */
 #define INLINE static inline __attribute__((always_inline))
 
 static int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 
+/* How many values apart the kernels' copies of input rows of k values lie, `per_line` values to a 64-byte line: an
+   odd number of lines, so that a tile's rows fall in different sets of L1 (rows 4 KiB apart, as 2,048 bfloat16
+   inputs are, all fell in the same sets and took 1.6x the time). */
+static int64_t copy_stride(int64_t k, int64_t per_line) { return (round_up(k, per_line) / per_line | 1) * per_line; }
+
 /* ---- fused multiply-adds in float32 ---- */
 
-INLINE v8f widen8(const uint16_t *p) {
-#ifdef __AVX2__ /* one vpmovzxwd from memory, where gcc's generic widening splits it in halves */
-    return (v8f)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+/* LANES bfloat16 widened to float32 */
+INLINE vf widen(const uint16_t *p) {
+#ifdef __AVX512F__
+    return (vf)bf16_widen16(p);
+#elif defined(__AVX2__) /* one vpmovzxwd from memory, where gcc's generic widening splits it in halves */
+    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
 #else
-    v8h h;
+    vh h;
     memcpy(&h, p, sizeof h);
-    return (v8f)(__builtin_convertvector(h, v8u) << 16);
+    return (vf)(__builtin_convertvector(h, vu) << 16);
 #endif
 }
 
-/* Eight weights of a panel at `at`: float32 where f32, else bfloat16 widened. */
-INLINE v8f weights8(const void *panel, int64_t at, int f32) {
-    if (!f32) return widen8((const uint16_t *)panel + at);
-    v8f w;
+/* LANES weights of a panel at `at`: float32 where f32, else bfloat16 widened. */
+INLINE vf weights(const void *panel, int64_t at, int f32) {
+    if (!f32) return widen((const uint16_t *)panel + at);
+    vf w;
     memcpy(&w, (const float *)panel + at, sizeof w);
     return w;
 }
@@ -77,24 +101,20 @@ INLINE v8f weights8(const void *panel, int64_t at, int f32) {
 INLINE void tile(const float *restrict x, int64_t x_row, int64_t k, const void *restrict panel, int64_t i0,
                  int64_t rows, const void *restrict bias, void *restrict out, int64_t n, int64_t n0,
                  const char *next, int f32) {
-    v8f lo[ROWS] = {{0}}, hi[ROWS] = {{0}};
+    vf acc[ROWS][VECS] = {{{0}}};
     const float *restrict xr = x + i0 * x_row;
     const int64_t line = f32 ? 1 : 2; /* input columns per 64-byte line of a panel */
     for (int64_t d = 0; d < k; d++) {
-        const v8f a = weights8(panel, d * PANEL, f32), b = weights8(panel, d * PANEL + 8, f32);
+        vf w[VECS];
+        for (int v = 0; v < VECS; v++) w[v] = weights(panel, d * PANEL + v * LANES, f32);
         if (next && d % line == 0) __builtin_prefetch(next + d * 64 / line, 0, 2);
-        for (int64_t i = 0; i < rows; i++) {
-            const float s = xr[i * x_row + d];
-            const v8f sv = {s, s, s, s, s, s, s, s};
-            lo[i] += sv * a;
-            hi[i] += sv * b;
-        }
+        for (int64_t i = 0; i < rows; i++)
+            for (int v = 0; v < VECS; v++) acc[i][v] += xr[i * x_row + d] * w[v]; /* one fma a lane, any width */
     }
     const int64_t cols = n - n0 < PANEL ? n - n0 : PANEL;
     for (int64_t i = 0; i < rows; i++) {
         float sums[PANEL];
-        memcpy(sums, &lo[i], sizeof lo[i]);
-        memcpy(sums + 8, &hi[i], sizeof hi[i]);
+        memcpy(sums, acc[i], sizeof acc[i]);
         const int64_t at = (i0 + i) * n + n0;
         for (int64_t c = 0; c < cols; c++) {
             if (f32) {
@@ -115,14 +135,9 @@ INLINE void panel_rows(const float *x, int64_t x_row, const void *panels, const 
     const char *panel = (const char *)panels + p * bytes, *next = p + 1 < (n + PANEL - 1) / PANEL ? panel + bytes : 0;
     int64_t i = 0;
     for (; i + ROWS <= m; i += ROWS, next = 0) tile(x, x_row, k, panel, i, ROWS, bias, out, n, p * PANEL, next, f32);
-    _Static_assert(ROWS == 6, "the cases below are the counts below ROWS");
-    switch (m - i) { /* the rest as a constant count, so that the compiler unrolls the loop over rows */
-    case 5: tile(x, x_row, k, panel, i, 5, bias, out, n, p * PANEL, next, f32); break;
-    case 4: tile(x, x_row, k, panel, i, 4, bias, out, n, p * PANEL, next, f32); break;
-    case 3: tile(x, x_row, k, panel, i, 3, bias, out, n, p * PANEL, next, f32); break;
-    case 2: tile(x, x_row, k, panel, i, 2, bias, out, n, p * PANEL, next, f32); break;
-    case 1: tile(x, x_row, k, panel, i, 1, bias, out, n, p * PANEL, next, f32); break;
-    }
+#define REST(r) case r: tile(x, x_row, k, panel, i, r, bias, out, n, p * PANEL, next, f32); break;
+    switch (m - i) { REST_CASES } /* the rest as a constant count, so that the compiler unrolls the loop over rows */
+#undef REST
 }
 
 /* panel_rows compiled once per weight type: the type is a constant inside, the loop over panels shared */
@@ -143,17 +158,128 @@ static void fma_linear(panel_fn *rows_of, const float *x, int64_t x_row, const v
     for (int64_t p = 0; p < count; p++) rows_of(x, x_row, panels, bias, out, m, n, k, p);
 }
 
-/* bfloat16 inputs, widened once: each is read by every panel */
+/* bfloat16 inputs, widened once (each is read by every panel) into a copy (copy_stride) */
 static int fma_linear_bf16(const uint16_t *x, int64_t x_row, const uint16_t *panels, const uint16_t *bias,
                            uint16_t *out, int64_t m, int64_t n, int64_t k, int threads) {
-    float *xf = malloc((size_t)(m * k + 1) * sizeof *xf); /* + 1: never malloc(0), which may give NULL */
+    const int64_t stride = copy_stride(k, 16);
+    float *xf = malloc((size_t)(m * stride) * sizeof *xf);
     if (!xf) return -1;
     for (int64_t i = 0; i < m; i++)
-        for (int64_t d = 0; d < k; d++) xf[i * k + d] = from_bf16(x[i * x_row + d]);
-    fma_linear(panel_rows_bf16, xf, k, panels, bias, out, m, n, k, threads);
+        for (int64_t d = 0; d < k; d++) xf[i * stride + d] = from_bf16(x[i * x_row + d]);
+    fma_linear(panel_rows_bf16, xf, stride, panels, bias, out, m, n, k, threads);
     free(xf);
     return 0;
 }
+
+/* ---- the pairs' layout: AMX tiles and AVX-512 BF16 dot products ---- */
+
+#ifdef __AVX512F__
+/* Where finished sums of the pairs' layout go: out [m, n], the bias per packed column (or NULL). Gated (AMX
+   tiles): the panels come in pairs, a gate's 16 columns then the same 16 of up (gpu_worker/packed_linear.py
+   interleaves them), and out takes silu(gate) * up (kernels/silu.h) of each pair, out column = packed column / 2. */
+typedef struct {
+    const uint16_t *bias;
+    uint16_t *out;
+    int64_t m, n;
+    int gated;
+} bf16_out;
+
+/* A row's 16 bfloat16 to out, the `cols` of them that exist. */
+INLINE void store_row(uint16_t *dst, __m256i h, int64_t cols) {
+    if (cols == PANEL) {
+        _mm256_storeu_si256((void *)dst, h);
+    } else {
+        uint16_t lanes[PANEL];
+        _mm256_storeu_si256((void *)lanes, h);
+        memcpy(dst, lanes, (size_t)cols * sizeof *dst);
+    }
+}
+
+/* `rows` rows of sums (16 columns, from row0 and col0) to out, rounded once with the bias, the columns that exist. */
+INLINE void store_sums(const float (*sums)[PANEL], int64_t rows, int64_t row0, int64_t col0, const bf16_out *o) {
+    const int64_t n = o->n, cols = n - col0 < PANEL ? n - col0 : PANEL;
+    if (cols <= 0) return; /* the padding panel of an odd count, read in pairs */
+    uint16_t bias[PANEL] = {0}; /* the columns that exist: bias has n */
+    for (int64_t c = 0; o->bias && c < cols; c++) bias[c] = o->bias[col0 + c];
+    const __m512 b = bf16_widen16(bias);
+    for (int64_t i = 0; i < rows; i++) {
+        __m512 s = _mm512_loadu_ps(sums[i]);
+        if (o->bias) s = _mm512_add_ps(s, b);
+        store_row(o->out + (row0 + i) * n + col0, bf16_narrow16(bf16_round16(s)), cols);
+    }
+}
+
+#endif
+
+/* ---- AVX-512 BF16 dot products ---- */
+
+#ifdef __AVX512BF16__
+#define DP_ROWS 14 /* input rows per tile: 28 accumulators, 2 weight vectors and a broadcast in 32 registers */
+#define DP_REST_CASES REST(1) REST(2) REST(3) REST(4) REST(5) REST(6) REST(7) REST(8) REST(9) REST(10) REST(11) REST(12) REST(13)
+/* Input rows [i0, i0 + rows) of x (bfloat16, k padded to even with a zero) against panels p and p + 1 of the
+   pairs' layout (each one's [kp / 2][16][2]; the layout pads n to whole pairs of panels), whose outputs are columns
+   [col0, col0 + 32): vdpbf16ps adds a pair of products into each float32 sum, the pairs in order whatever the
+   batch. Two panels, so that each broadcast input pair serves two dot products. `next` (or NULL): the next two
+   panels, prefetched into L2 meanwhile. */
+INLINE void dp_tile(const uint16_t *restrict x, int64_t x_row, int64_t pairs, int64_t kp,
+                    const uint16_t *restrict panel, int64_t i0, int64_t rows, int64_t col0, const char *next,
+                    const bf16_out *o) {
+    __m512 acc[DP_ROWS][2];
+    for (int64_t i = 0; i < rows; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    const uint16_t *restrict xr = x + i0 * x_row;
+    const uint16_t *restrict other = panel + kp * PANEL;
+    for (int64_t q = 0; q < pairs; q++) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + q * 2 * PANEL);
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(other + q * 2 * PANEL);
+        if (next) {
+            __builtin_prefetch(next + q * 64, 0, 2);
+            __builtin_prefetch(next + kp * PANEL * 2 + q * 64, 0, 2);
+        }
+        for (int64_t i = 0; i < rows; i++) {
+            int32_t pair;
+            memcpy(&pair, xr + i * x_row + 2 * q, sizeof pair);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xv, w0);
+            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xv, w1);
+        }
+    }
+    float sums[2][DP_ROWS][PANEL] __attribute__((aligned(64)));
+    for (int64_t i = 0; i < rows; i++) _mm512_store_ps(sums[0][i], acc[i][0]), _mm512_store_ps(sums[1][i], acc[i][1]);
+    store_sums(sums[0], rows, i0, col0, o);
+    store_sums(sums[1], rows, i0, col0 + PANEL, o);
+}
+
+/* Every input row against panels p and p + 1, as panel_rows does for the fused multiply-adds. */
+static void dp_panel_rows(const uint16_t *x, int64_t x_row, int64_t k, const uint16_t *panels, int64_t p,
+                          const bf16_out *o) {
+    const int64_t kp = round_up(k, TILE_K), pairs = (k + 1) / 2, m = o->m;
+    const uint16_t *panel = panels + p * kp * PANEL;
+    const char *next = p + 2 < (o->n + PANEL - 1) / PANEL ? (const char *)(panel + 2 * kp * PANEL) : 0;
+    int64_t i = 0;
+    for (; i + DP_ROWS <= m; i += DP_ROWS, next = 0)
+        dp_tile(x, x_row, pairs, kp, panel, i, DP_ROWS, p * PANEL, next, o);
+#define REST(r) case r: dp_tile(x, x_row, pairs, kp, panel, i, r, p * PANEL, next, o); break;
+    switch (m - i) { DP_REST_CASES }
+#undef REST
+}
+
+static int dp_linear(const uint16_t *x, int64_t x_row, const uint16_t *panels, const bf16_out *o, int64_t k,
+                     int threads) {
+    /* the rows copied (copy_stride), each padded with zeros: an odd k's last pair gets its zero */
+    const int64_t stride = copy_stride(k, TILE_K), m = o->m;
+    uint16_t *xs = aligned_alloc(64, (size_t)(m * stride) * sizeof *xs);
+    if (!xs) return -1;
+    for (int64_t i = 0; i < m; i++) {
+        memcpy(xs + i * stride, x + i * x_row, (size_t)k * sizeof *xs);
+        memset(xs + i * stride + k, 0, (size_t)(stride - k) * sizeof *xs);
+    }
+    const int64_t count = (o->n + PANEL - 1) / PANEL;
+    #pragma omp parallel for schedule(static) num_threads(threads) if(threads > 1)
+    for (int64_t p = 0; p < count; p += 2) dp_panel_rows(xs, stride, k, panels, p, o);
+    free(xs);
+    return 0;
+}
+#endif
 
 /* ---- AMX tiles ---- */
 
@@ -172,45 +298,15 @@ static int amx_permitted(void) {
     return permitted;
 }
 
-/* Where finished sums go: out [m, n], the bias per packed column (or NULL). Gated: the panels come in pairs, a
-   gate's 16 columns then the same 16 of up (gpu_worker/packed_linear.py interleaves them), and out takes
-   silu(gate) * up (kernels/silu.h) of each pair, out column = packed column / 2. */
-typedef struct {
-    const uint16_t *bias;
-    uint16_t *out;
-    int64_t m, n;
-    int gated;
-} amx_out;
-
-/* A row's 16 bfloat16 to out, the `cols` of them that exist. */
-INLINE void amx_store_row(uint16_t *dst, __m256i h, int64_t cols) {
-    if (cols == PANEL) {
-        _mm256_storeu_si256((void *)dst, h);
-    } else {
-        uint16_t lanes[PANEL];
-        _mm256_storeu_si256((void *)lanes, h);
-        memcpy(dst, lanes, (size_t)cols * sizeof *dst);
-    }
-}
-
-/* A tile of sums (16 rows × 16 columns, from row0 and col0) to out, with the bias, the rows and columns that exist. */
-INLINE void amx_store(const float sums[16][PANEL], int64_t row0, int64_t col0, const amx_out *o) {
-    const int64_t n = o->n, cols = n - col0 < PANEL ? n - col0 : PANEL, rows = o->m - row0 < 16 ? o->m - row0 : 16;
-    if (cols <= 0) return; /* the padding panel of an odd count, read in pairs */
-    uint16_t bias[PANEL] = {0}; /* the columns that exist: bias has n */
-    for (int64_t c = 0; o->bias && c < cols; c++) bias[c] = o->bias[col0 + c];
-    const __m512 b = bf16_widen16(bias);
-    for (int64_t i = 0; i < rows; i++) {
-        __m512 s = _mm512_loadu_ps(sums[i]);
-        if (o->bias) s = _mm512_add_ps(s, b);
-        amx_store_row(o->out + (row0 + i) * n + col0, bf16_narrow16(bf16_round16(s)), cols);
-    }
+/* A tile of sums (16 rows × 16 columns, from row0 and col0) to out: the rows that exist. */
+INLINE void amx_store(const float sums[16][PANEL], int64_t row0, int64_t col0, const bf16_out *o) {
+    store_sums(sums, o->m - row0 < 16 ? o->m - row0 : 16, row0, col0, o);
 }
 
 /* A gated pair of tiles (gate's sums, then up's, the gate's at packed column col0) to out: each rounded with its
    bias as amx_store rounds it, then silu(gate) * up: the bits of the projection and kernels/cpu_act.c apart. */
 INLINE void amx_store_gated(const float gate[16][PANEL], const float up[16][PANEL], int64_t row0, int64_t col0,
-                            const amx_out *o) {
+                            const bf16_out *o) {
     const int64_t n = o->n, at = col0 / 2, cols = n - at < PANEL ? n - at : PANEL;
     const int64_t rows = o->m - row0 < 16 ? o->m - row0 : 16;
     const __m512 bg = o->bias ? bf16_widen16(o->bias + col0) : _mm512_setzero_ps();
@@ -218,7 +314,7 @@ INLINE void amx_store_gated(const float gate[16][PANEL], const float up[16][PANE
     for (int64_t i = 0; i < rows; i++) {
         __m512 g = _mm512_loadu_ps(gate[i]), u = _mm512_loadu_ps(up[i]);
         if (o->bias) g = _mm512_add_ps(g, bg), u = _mm512_add_ps(u, bu);
-        amx_store_row(o->out + (row0 + i) * n + at, silu_mul16(bf16_round16(g), bf16_round16(u)), cols);
+        store_row(o->out + (row0 + i) * n + at, silu_mul16(bf16_round16(g), bf16_round16(u)), cols);
     }
 }
 
@@ -235,7 +331,7 @@ INLINE void prefetch_chunk(const uint16_t *chunk) {
 typedef float amx_part[4][16][PANEL];
 
 /* Tile t of a finished panel's sums (of a gated pair's, `done` its gate's and done + 1 its up's) to out. */
-INLINE void amx_finish(const amx_part *done, int t, int64_t row0, int64_t col0, const amx_out *o) {
+INLINE void amx_finish(const amx_part *done, int t, int64_t row0, int64_t col0, const bf16_out *o) {
     if (o->gated)
         amx_store_gated(done[0][t], done[1][t], row0 + 16 * t, col0, o);
     else
@@ -251,7 +347,7 @@ INLINE void amx_finish(const amx_part *done, int t, int64_t row0, int64_t col0, 
    chunk meanwhile, on the vector units while the tiles multiply. */
 INLINE void amx_slice(const uint16_t *a, int64_t kp, const uint16_t *b, const uint16_t *ahead, int blocks,
                       int64_t d0, int64_t d1, amx_part *part, const amx_part *done, int64_t row0, int64_t done_col0,
-                      const amx_out *o) {
+                      const bf16_out *o) {
     const int64_t step = TILE_K * 16; /* elements per chunk of a row block or a panel */
     if (d0 == 0) {
         _tile_zero(0);
@@ -295,7 +391,7 @@ INLINE void amx_slice(const uint16_t *a, int64_t kp, const uint16_t *b, const ui
    from L2 and the rows' slice from L1, where a row group against one panel over all columns read its rows from
    L2 (1.4× the time at 2,048 rows). */
 INLINE void amx_block(const uint16_t *xs, int64_t kp, int64_t blocks, const uint16_t *panels, int64_t p0,
-                      int64_t p1, amx_part *part, const amx_out *o) {
+                      int64_t p1, amx_part *part, const bf16_out *o) {
     const int64_t chunks = kp / TILE_K, step = TILE_K * 16;
     /* one row group (decode steps) reads each panel once: not sliced, the panels stream from memory one after
        the other, fetched AHEAD chunks ahead; sliced, the next panel's slice is the one fetched */
@@ -319,7 +415,7 @@ INLINE void amx_block(const uint16_t *xs, int64_t kp, int64_t blocks, const uint
 
 /* One row block (up to 16 rows: decode steps) against panels p and p + 1, two streams from memory at once, which
    a row block alone needs to keep memory busy: tiles 0-1 the sums, 4 the rows, 6-7 the panels. */
-INLINE void amx_two_panels(const uint16_t *xs, int64_t kp, const uint16_t *panels, int64_t p, const amx_out *o) {
+INLINE void amx_two_panels(const uint16_t *xs, int64_t kp, const uint16_t *panels, int64_t p, const bf16_out *o) {
     const int64_t step = TILE_K * 16;
     const uint16_t *b0 = panels + p * kp * PANEL, *b1 = b0 + kp * PANEL;
     _tile_zero(0);
@@ -344,7 +440,7 @@ INLINE void amx_two_panels(const uint16_t *xs, int64_t kp, const uint16_t *panel
     }
 }
 
-static int amx_linear(const uint16_t *x, int64_t x_row, const uint16_t *panels, const amx_out *o, int64_t k,
+static int amx_linear(const uint16_t *x, int64_t x_row, const uint16_t *panels, const bf16_out *o, int64_t k,
                       int threads) {
     /* the rows copied in tile order, zero-padded to whole row blocks and whole tile rows: every tile is one KiB
        in a row, every load in bounds, and the padding adds exact zeros */
@@ -401,52 +497,62 @@ int bf16_amx(void) {
 #endif
 }
 
-/* How many values (bfloat16, or float32 for f32_pack) the packed [n, k] weight takes, for AMX tiles (amx) or fused
-   multiply-adds. */
-int64_t packed_size(int64_t n, int64_t k, int amx) {
-    return amx ? round_up(n, 2 * PANEL) * round_up(k, TILE_K) : round_up(n, PANEL) * k;
+/* Whether this build multiplies with AVX-512 BF16's vdpbf16ps (Zen 4 and later, Cooper Lake and later). */
+int bf16_dp(void) {
+#ifdef __AVX512BF16__
+    return 1;
+#else
+    return 0;
+#endif
 }
 
-/* Where w[row][d] lies in the packed weight: panel p = row / PANEL, column c = row % PANEL; with AMX tiles at pair
-   d / 2, half d % 2 of panel p's [kp / 2][PANEL][2], else at input column d of its [k][PANEL]. */
-INLINE int64_t packed_at(int64_t row, int64_t d, int64_t k, int amx) {
+/* How many values (bfloat16, or float32 for f32_pack) the packed [n, k] weight takes, in the pairs' layout (pairs:
+   AMX tiles and vdpbf16ps) or the fused multiply-adds'. */
+int64_t packed_size(int64_t n, int64_t k, int pairs) {
+    return pairs ? round_up(n, 2 * PANEL) * round_up(k, TILE_K) : round_up(n, PANEL) * k;
+}
+
+/* Where w[row][d] lies in the packed weight: panel p = row / PANEL, column c = row % PANEL; in the pairs' layout at
+   pair d / 2, half d % 2 of panel p's [kp / 2][PANEL][2], else at input column d of its [k][PANEL]. */
+INLINE int64_t packed_at(int64_t row, int64_t d, int64_t k, int pairs) {
     const int64_t p = row / PANEL, c = row % PANEL;
-    if (amx) return p * round_up(k, TILE_K) * PANEL + (d / 2) * 2 * PANEL + c * 2 + d % 2;
+    if (pairs) return p * round_up(k, TILE_K) * PANEL + (d / 2) * 2 * PANEL + c * 2 + d % 2;
     return (p * k + d) * PANEL + c;
 }
 
-/* w [n, k] of `size`-byte values into `packed` (packed_size values) in the layout of `amx`, the padding (to whole
-   panels, or pairs of panels and tile rows with AMX) zero. */
-INLINE void pack(const void *w, int64_t n, int64_t k, void *packed, int amx, size_t size) {
-    const int64_t rows = amx ? round_up(n, 2 * PANEL) : round_up(n, PANEL), cols = amx ? round_up(k, TILE_K) : k;
+/* w [n, k] of `size`-byte values into `packed` (packed_size values) in the pairs' layout or not, the padding (to
+   whole panels, or in pairs: pairs of panels and tile rows) zero. */
+INLINE void pack(const void *w, int64_t n, int64_t k, void *packed, int pairs, size_t size) {
+    const int64_t rows = pairs ? round_up(n, 2 * PANEL) : round_up(n, PANEL), cols = pairs ? round_up(k, TILE_K) : k;
     for (int64_t row = 0; row < rows; row++)
         for (int64_t d = 0; d < cols; d++) {
-            char *to = (char *)packed + packed_at(row, d, k, amx) * size;
+            char *to = (char *)packed + packed_at(row, d, k, pairs) * size;
             if (row < n && d < k) memcpy(to, (const char *)w + (row * k + d) * size, size);
             else memset(to, 0, size);
         }
 }
 
-/* out [count, k] = the rows `ids` of a weight packed in the layout of `amx` (a tied model's token embedding, read
-   from its lm_head). Returns 0, or -1 when an id is not in [0, n) (out then undefined). */
+/* out [count, k] = the rows `ids` of a weight packed in the pairs' layout or not (a tied model's token embedding,
+   read from its lm_head). Returns 0, or -1 when an id is not in [0, n) (out then undefined). */
 INLINE int unpack_rows(const void *packed, int64_t n, int64_t k, const int64_t *ids, int64_t count, void *out,
-                       int amx, size_t size) {
+                       int pairs, size_t size) {
     for (int64_t i = 0; i < count; i++)
         if (ids[i] < 0 || ids[i] >= n) return -1;
     for (int64_t i = 0; i < count; i++)
         for (int64_t d = 0; d < k; d++)
-            memcpy((char *)out + (i * k + d) * size, (const char *)packed + packed_at(ids[i], d, k, amx) * size, size);
+            memcpy((char *)out + (i * k + d) * size, (const char *)packed + packed_at(ids[i], d, k, pairs) * size, size);
     return 0;
 }
 
-/* bf16_linear's weight: bfloat16 w [n, k] packed for AMX tiles (amx) or fused multiply-adds */
-void bf16_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed, int amx) {
-    pack(w, n, k, packed, amx, sizeof *w);
+/* bf16_linear's weight: bfloat16 w [n, k] packed in the pairs' layout (AMX tiles, vdpbf16ps) or the fused
+   multiply-adds' */
+void bf16_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed, int pairs) {
+    pack(w, n, k, packed, pairs, sizeof *w);
 }
 
 int bf16_unpack_rows(const uint16_t *packed, int64_t n, int64_t k, const int64_t *ids, int64_t count, uint16_t *out,
-                     int amx) {
-    return unpack_rows(packed, n, k, ids, count, out, amx, sizeof *out);
+                     int pairs) {
+    return unpack_rows(packed, n, k, ids, count, out, pairs, sizeof *out);
 }
 
 /* f32_linear's weight: float32 w [n, k] packed for fused multiply-adds */
@@ -456,29 +562,38 @@ int f32_unpack_rows(const float *packed, int64_t n, int64_t k, const int64_t *id
     return unpack_rows(packed, n, k, ids, count, out, 0, sizeof *out);
 }
 
-/* out [m, n] = x w^T + bias; gated (AMX tiles only): out [m, n] = silu(gate) * up of the merged gate|up
-   projection, its weight [2 n16, k] and bias [2 n16] interleaved in pairs of 16 rows (gate's, then up's; n16 = n
-   padded to a multiple of 16, the padding zeros). Returns 0; -1 when the copy of the input cannot be allocated;
-   -2 when AMX is asked for and not granted; -3 when gated without AMX. */
+enum { WAY_FMA, WAY_AMX, WAY_DP }; /* bf16_linear's ways (kernels/native.py: LINEAR_WAYS) */
+
+/* out [m, n] = x w^T + bias, the weight packed by bf16_pack in the way's layout (the pairs' for WAY_AMX and
+   WAY_DP); gated (AMX tiles only): out [m, n] = silu(gate) * up of the merged gate|up projection, its weight
+   [2 n16, k] and bias [2 n16] interleaved in pairs of 16 rows (gate's, then up's; n16 = n padded to a multiple of
+   16, the padding zeros). Returns 0; -1 when a copy of the input cannot be allocated; -2 when a way is asked for
+   that this process cannot take; -3 when gated without AMX. */
 int bf16_linear(const uint16_t *x, int64_t x_row, const uint16_t *packed, const uint16_t *bias, uint16_t *out,
-                int64_t m, int64_t n, int64_t k, int threads, int amx, int gated) {
-    if (amx && !bf16_amx()) return -2;
-    if (gated && !amx) return -3;
+                int64_t m, int64_t n, int64_t k, int threads, int way, int gated) {
+    if ((way == WAY_AMX && !bf16_amx()) || (way == WAY_DP && !bf16_dp()) || way < WAY_FMA || way > WAY_DP) return -2;
+    if (gated && way != WAY_AMX) return -3;
     if (m <= 0 || n <= 0) return 0;
+#if defined(HAVE_AMX) || defined(__AVX512BF16__)
+    const bf16_out o = {.bias = bias, .out = out, .m = m, .n = n, .gated = gated};
+#endif
 #ifdef HAVE_AMX
-    if (amx) {
-        const amx_out o = {.bias = bias, .out = out, .m = m, .n = n, .gated = gated};
-        return amx_linear(x, x_row, packed, &o, k, threads);
-    }
+    if (way == WAY_AMX) return amx_linear(x, x_row, packed, &o, k, threads);
+#endif
+#ifdef __AVX512BF16__
+    if (way == WAY_DP) return dp_linear(x, x_row, packed, &o, k, threads);
 #endif
     return fma_linear_bf16(x, x_row, packed, bias, out, m, n, k, threads);
 }
 
-/* Whether f32_linear was measured faster than torch's float32 linear (MKL) here: on AVX2 with FMA, for the ~100M
-   Llama's shapes at 1 to 2,048 rows, and a whole decode step of the tiny model no slower (RESULTS.md). With
-   AVX-512, MKL multiplies 16 lanes at a time, this kernel 8: not measured, MKL kept. */
+/* Whether f32_linear was measured faster than torch's float32 linear (MKL) here, for the ~100M Llama's shapes at 2
+   to 2,048 rows (a single row of the smaller ones ~10 µs slower or level) and a whole decode step (RESULTS.md): on
+   AVX2 with FMA and no AVX-512 (8 lanes against MKL's 8), and on AMD's AVX-512 (16 against MKL's AVX2 path
+   there). On Intel's AVX-512 MKL multiplies 16 lanes: not measured, MKL kept. */
 int f32_linear_preferred(void) {
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX512F__)
+    return __builtin_cpu_is("amd");
+#elif defined(__AVX2__) && defined(__FMA__)
     return 1;
 #else
     return 0;
@@ -487,8 +602,19 @@ int f32_linear_preferred(void) {
 
 /* out [m, n] = x w^T + bias in float32, x [m, k] with rows x_row apart, the weight packed by f32_pack, bias [n] or
    NULL: each output one chain of multiply-adds (fused, where the CPU has FMA) over its input columns in order,
-   whatever the batch. */
-void f32_linear(const float *x, int64_t x_row, const float *packed, const float *bias, float *out, int64_t m,
-                int64_t n, int64_t k, int threads) {
-    if (m > 0 && n > 0) fma_linear(panel_rows_f32, x, x_row, packed, bias, out, m, n, k, threads);
+   whatever the batch. Returns 0, or -1 when the copy of the input cannot be allocated. */
+int f32_linear(const float *x, int64_t x_row, const float *packed, const float *bias, float *out, int64_t m,
+               int64_t n, int64_t k, int threads) {
+    if (m <= 0 || n <= 0) return 0;
+    if (m == 1) { /* one row: no tile rows to collide in L1 */
+        fma_linear(panel_rows_f32, x, x_row, packed, bias, out, m, n, k, threads);
+        return 0;
+    }
+    const int64_t stride = copy_stride(k, 16);
+    float *xs = malloc((size_t)(m * stride) * sizeof *xs);
+    if (!xs) return -1;
+    for (int64_t i = 0; i < m; i++) memcpy(xs + i * stride, x + i * x_row, (size_t)k * sizeof *xs);
+    fma_linear(panel_rows_f32, xs, stride, packed, bias, out, m, n, k, threads);
+    free(xs);
+    return 0;
 }

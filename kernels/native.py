@@ -36,6 +36,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "
 STALE_S = 7 * 24 * 3600
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' `dtype` argument, where they take one
+LINEAR_WAYS = {"fma": 0, "amx": 1, "avx512bf16": 2}  # bf16_linear's `way` (cpu_linear.c: WAY_FMA, WAY_AMX, WAY_DP)
 
 
 def _cpu_features() -> str:
@@ -110,6 +111,8 @@ def load() -> ctypes.CDLL | None:
                                 ctypes.c_int]
     lib.bf16_amx.restype = ctypes.c_int
     lib.bf16_amx.argtypes = []
+    lib.bf16_dp.restype = ctypes.c_int
+    lib.bf16_dp.argtypes = []
     lib.packed_size.restype = _I64
     lib.packed_size.argtypes = [_I64, _I64, ctypes.c_int]
     lib.bf16_pack.restype = None
@@ -118,7 +121,7 @@ def load() -> ctypes.CDLL | None:
     lib.bf16_unpack_rows.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, ctypes.c_int]
     lib.f32_linear_preferred.restype = ctypes.c_int
     lib.f32_linear_preferred.argtypes = []
-    lib.f32_linear.restype = None
+    lib.f32_linear.restype = ctypes.c_int
     lib.f32_linear.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int]
     lib.f32_pack.restype = None
     lib.f32_pack.argtypes = [_PTR, _I64, _I64, _PTR]

@@ -70,15 +70,15 @@ def test_the_gate_up_projection_with_the_activation_in_its_epilogue_gives_the_sa
         projection.weight.normal_(0, 0.05)
         if bias:
             projection.bias.normal_(0, 0.5)
-    apart = NativeLinear(projection, kernel, amx=True)
-    fused = NativeLinear(projection, kernel, amx=True, gated=True)
+    apart = NativeLinear(projection, kernel, "amx")
+    fused = NativeLinear(projection, kernel, "amx", gated=True)
     activate = NativeGatedMLP(GatedMLP(4, n, "silu", False), kernel).activate
     for rows in (1, 5, 16, 17, 64, 70, 300):
         x = (torch.randn(rows, k) * 2).to(torch.bfloat16)
         with torch.inference_mode():
             assert torch.equal(fused(x), activate(apart(x))), rows
     with pytest.raises(ValueError, match="AMX"):
-        NativeLinear(projection, kernel, amx=False, gated=True)
+        NativeLinear(projection, kernel, "fma", gated=True)
 
 
 def test_a_bfloat16_model_with_native_mlps_gives_torchs_logits_within_rounding(kernel, tmp_path):

@@ -1,7 +1,8 @@
 """bfloat16 and float32 linears on the CPU: oneDNN's packed ones give exactly the plain linears' logits;
-kernels/cpu_linear.c's (AMX tiles, or float32 fused multiply-adds) and the float32 chunks give the exact product
-within float32's summation error, rounded once; cpu_linear.c gives a row the same bits in any batch, and with AMX
-tiles a row alone gets torch's own bfloat16 linear bit for bit."""
+kernels/cpu_linear.c's (AMX tiles, AVX-512 BF16 dot products, or float32 fused multiply-adds) and the float32 chunks
+give the exact product within float32's summation error, rounded once; cpu_linear.c gives a row the same bits in any
+batch, and in pairs of input columns (AMX tiles, AVX-512 BF16) a row alone gets torch's own bfloat16 linear bit for
+bit."""
 from __future__ import annotations
 
 import pytest
@@ -33,7 +34,7 @@ def test_a_packed_linear_computes_what_the_linear_does(tokens, bias):
         assert torch.equal(PackedLinear(linear)(x.t().contiguous().t()), linear(x))  # a strided input
 
 
-@pytest.mark.parametrize("tokens", [5, 40])  # one part tile (6 rows of fma, 16 of amx); several whole ones
+@pytest.mark.parametrize("tokens", [5, 40])  # one part tile (6 or 12 rows, 16 of amx); several whole ones
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "opt", "qwen2"])
 def test_a_bfloat16_model_with_packed_linears_gives_the_same_logits(arch, tokens, tmp_path):
     from gpu_worker.loader import load_config, load_model
@@ -58,7 +59,8 @@ def test_a_bfloat16_model_with_packed_linears_gives_the_same_logits(arch, tokens
     plain = logits()
     assert pack_linears(model) > 0
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
-    kind = {"amx": NativeLinear, "fma": NativeLinear, "onednn": PackedLinear, "chunks": ChunkedLinear}[linear_kind()]
+    kind = {"amx": NativeLinear, "avx512bf16": NativeLinear, "fma": NativeLinear, "onednn": PackedLinear,
+            "chunks": ChunkedLinear}[linear_kind()]
     assert any(isinstance(m, kind) for m in model.modules())
     # tied (gpt2, opt, qwen2): the embedding reads the packed lm_head, so the vocabulary's weights are held once
     shares = model.tie_word_embeddings and kind is NativeLinear
@@ -69,7 +71,7 @@ def test_a_bfloat16_model_with_packed_linears_gives_the_same_logits(arch, tokens
         torch.testing.assert_close(logits(), plain, atol=0.05, rtol=0.02)
 
 
-WAYS = ["amx", "fma", "chunks"]
+WAYS = ["amx", "avx512bf16", "fma", "chunks"]
 
 
 def linear_772_to_602(bias: bool, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Linear:
@@ -133,11 +135,12 @@ def test_a_float32_linear_through_cpu_linear_gives_the_exact_product_within_floa
         assert ((out.double() - exact).abs() <= 773 * 2 ** -24 * magnitudes).all(), name
 
 
-@pytest.mark.parametrize("way,dtype", [("amx", torch.bfloat16), ("fma", torch.bfloat16), ("fma", torch.float32)])
+@pytest.mark.parametrize("way,dtype", [("amx", torch.bfloat16), ("avx512bf16", torch.bfloat16),
+                                       ("fma", torch.bfloat16), ("fma", torch.float32)])
 def test_cpu_linear_gives_a_row_the_same_bits_in_any_batch(way, dtype):
     """Each output sums its products in one order whatever the batch: a sequence's logits do not change with the
     sequences beside it, nor when a restarted worker recomputes its prefix in one prefill. 70 rows: whole and part
-    tiles of 16 rows, and row blocks beyond the first four."""
+    tiles (of 6, 12 or 16 rows), and AMX's row blocks beyond the first four."""
     torch.manual_seed(0)
     module = packed(way, linear_772_to_602(bias=True, dtype=dtype))
     x = torch.randn(70, 772).to(dtype)
@@ -149,23 +152,29 @@ def test_cpu_linear_gives_a_row_the_same_bits_in_any_batch(way, dtype):
 
 
 @native_only
-@pytest.mark.parametrize("n,k,bias", [(602, 772, True), (512, 256, False), (40, 96, True)])
-def test_a_row_alone_through_amx_tiles_gets_torchs_own_bfloat16_linear(n, k, bias):
-    """The oracle for the AMX way: torch's bfloat16 linear on this CPU is oneDNN's, on the same AMX tiles, and at
-    one row it multiplies and adds as cpu_linear.c does (at many rows it splits the sums otherwise)."""
+@pytest.mark.parametrize("way,n,k,bias", [(way, n, k, bias and way == "amx") for way in ("amx", "avx512bf16")
+                                          for n, k, bias in [(602, 772, True), (512, 256, False), (40, 96, True),
+                                                             (40, 95, True)]])
+def test_a_row_alone_in_pairs_of_inputs_gets_torchs_own_bfloat16_linear(way, n, k, bias):
+    """The oracle for the ways that multiply pairs of input columns: torch's bfloat16 linear on this CPU is
+    oneDNN's, with the same instructions (AMX tiles, or AVX-512 BF16's vdpbf16ps), and at one row it multiplies and
+    adds as cpu_linear.c does (at many rows it splits the sums otherwise). An odd k: the last pair's second input
+    is zero. No bias with AVX-512 BF16: there torch rounds the product to bfloat16 before it adds one, where the
+    kernel adds it in float32 and rounds once, as torch does with AMX tiles (the exact-product test bounds both)."""
     torch.manual_seed(n)
     linear = torch.nn.Linear(k, n, bias=bias).to(torch.bfloat16)
-    module = packed("amx", linear)
+    module = packed(way, linear)
     x = torch.randn(8, k).to(torch.bfloat16)
     with torch.inference_mode():
         for row in x.split(1):
             assert torch.equal(module(row), linear(row))
 
 
-@pytest.mark.parametrize("amx,dtype", [(True, torch.bfloat16), (False, torch.bfloat16), (False, torch.float32)])
-def test_a_tied_embedding_reads_its_rows_from_the_packed_lm_head_bit_for_bit(amx, dtype):
-    """Both layouts of cpu_linear.c (packing needs no AMX, only multiplying does), and float32's: every row of the
-    vocabulary, in any shape of ids, and an id out of the vocabulary is refused as nn.Embedding refuses it."""
+@pytest.mark.parametrize("way,dtype", [("amx", torch.bfloat16), ("fma", torch.bfloat16), ("fma", torch.float32)])
+def test_a_tied_embedding_reads_its_rows_from_the_packed_lm_head_bit_for_bit(way, dtype):
+    """Both layouts of cpu_linear.c (the pairs' and the fused multiply-adds'; packing needs no AMX, only
+    multiplying does), and float32's: every row of the vocabulary, in any shape of ids, and an id out of the
+    vocabulary is refused as nn.Embedding refuses it."""
     from kernels import native
 
     if native.load() is None:
@@ -174,13 +183,14 @@ def test_a_tied_embedding_reads_its_rows_from_the_packed_lm_head_bit_for_bit(amx
     embedding = torch.nn.Embedding(602, 772).to(dtype)  # a part panel, a part tile row
     lm_head = torch.nn.Linear(772, 602, bias=False).to(dtype)
     lm_head.weight = embedding.weight
-    packed = NativeLinear(lm_head, native.load(), amx=amx)
-    # the layout itself, built with torch: panels of 16 rows, as [k][16], or with AMX as [k / 2][16][2] with k padded
+    packed = NativeLinear(lm_head, native.load(), way)
+    pairs = way == "amx"
+    # the layout itself, built with torch: panels of 16 rows, as [k][16], or in pairs as [k / 2][16][2] with k padded
     # to 32 and the rows to pairs of panels (pack and unpack share one index function, so a round trip alone would
     # not catch a wrong one)
-    rows, cols = (-(-602 // 32) * 32, -(-772 // 32) * 32) if amx else (-(-602 // 16) * 16, 772)
+    rows, cols = (-(-602 // 32) * 32, -(-772 // 32) * 32) if pairs else (-(-602 // 16) * 16, 772)
     padded = torch.nn.functional.pad(embedding.weight.detach(), (0, cols - 772, 0, rows - 602))
-    layout = (padded.view(rows // 16, 16, cols // 2, 2).permute(0, 2, 1, 3) if amx
+    layout = (padded.view(rows // 16, 16, cols // 2, 2).permute(0, 2, 1, 3) if pairs
               else padded.view(rows // 16, 16, cols).permute(0, 2, 1))
     assert torch.equal(packed.packed, layout.flatten())
     shared = PackedEmbedding(packed)
