@@ -47,10 +47,12 @@
 #define PANEL 16 /* output columns per panel: one vector of 16 or two of 8, or one AMX tile's columns */
 #ifdef __AVX512F__
 #define LANES 16
-#define ROWS 12 /* input rows per tile: 12 accumulators, a weight vector and a broadcast in 32 registers */
+#define ROWS 12       /* input rows per tile: 24 accumulators, 2 weight vectors and a broadcast in 32 registers */
+#define TILE_PANELS 2 /* panels per tile: each broadcast input serves two fused multiply-adds */
 #else
 #define LANES 8
 #define ROWS 6 /* input rows per tile: 12 accumulators, 2 widened weight vectors and a broadcast in 16 registers */
+#define TILE_PANELS 1
 #endif
 #define VECS (PANEL / LANES) /* vectors per panel row */
 /* `REST(r)` for each count of rows below ROWS: a tile's rows are a constant in each case, so loops over them unroll */
@@ -95,49 +97,67 @@ INLINE vf weights(const void *panel, int64_t at, int f32) {
     return w;
 }
 
-/* Input rows [i0, i0 + rows) of x (float32, x_row apart) against one panel, whose outputs are columns
-   [n0, n0 + PANEL) of out; the panel, bias and out float32 where f32, else bfloat16. `next` (or NULL): the panel
-   to prefetch into L2 meanwhile, so that a decode step's few rows do not wait on memory for each panel. */
+/* Input rows [i0, i0 + rows) of x (float32, x_row apart) against `np` panels from `panel` (1 or TILE_PANELS),
+   whose outputs are columns [n0, n0 + np PANEL) of out; the panels, bias and out float32 where f32, else
+   bfloat16. `next` (or NULL): the panels to prefetch into L2 meanwhile, so that a decode step's few rows do not
+   wait on memory for each panel. */
 INLINE void tile(const float *restrict x, int64_t x_row, int64_t k, const void *restrict panel, int64_t i0,
-                 int64_t rows, const void *restrict bias, void *restrict out, int64_t n, int64_t n0,
+                 int64_t rows, int np, const void *restrict bias, void *restrict out, int64_t n, int64_t n0,
                  const char *next, int f32) {
-    vf acc[ROWS][VECS] = {{{0}}};
+    vf acc[ROWS][TILE_PANELS][VECS] = {{{{0}}}};
     const float *restrict xr = x + i0 * x_row;
     const int64_t line = f32 ? 1 : 2; /* input columns per 64-byte line of a panel */
+    const int64_t bytes = k * PANEL * (f32 ? sizeof(float) : sizeof(uint16_t)); /* a panel's */
     for (int64_t d = 0; d < k; d++) {
-        vf w[VECS];
-        for (int v = 0; v < VECS; v++) w[v] = weights(panel, d * PANEL + v * LANES, f32);
-        if (next && d % line == 0) __builtin_prefetch(next + d * 64 / line, 0, 2);
+        vf w[TILE_PANELS][VECS];
+        for (int h = 0; h < np; h++)
+            for (int v = 0; v < VECS; v++) w[h][v] = weights(panel, h * k * PANEL + d * PANEL + v * LANES, f32);
+        if (next && d % line == 0)
+            for (int h = 0; h < np; h++) __builtin_prefetch(next + h * bytes + d * 64 / line, 0, 2);
         for (int64_t i = 0; i < rows; i++)
-            for (int v = 0; v < VECS; v++) acc[i][v] += xr[i * x_row + d] * w[v]; /* one fma a lane, any width */
+            for (int h = 0; h < np; h++)
+                for (int v = 0; v < VECS; v++) acc[i][h][v] += xr[i * x_row + d] * w[h][v]; /* one fma a lane */
     }
-    const int64_t cols = n - n0 < PANEL ? n - n0 : PANEL;
-    for (int64_t i = 0; i < rows; i++) {
-        float sums[PANEL];
-        memcpy(sums, acc[i], sizeof acc[i]);
-        const int64_t at = (i0 + i) * n + n0;
-        for (int64_t c = 0; c < cols; c++) {
-            if (f32) {
-                ((float *)out)[at + c] = bias ? sums[c] + ((const float *)bias)[n0 + c] : sums[c];
-            } else {
-                const float b = bias ? from_bf16(((const uint16_t *)bias)[n0 + c]) : 0;
-                ((uint16_t *)out)[at + c] = to_bf16(bias ? sums[c] + b : sums[c]);
+    for (int h = 0; h < np; h++) {
+        const int64_t c0 = n0 + h * PANEL, cols = n - c0 < PANEL ? n - c0 : PANEL;
+        for (int64_t i = 0; i < rows; i++) {
+            float sums[PANEL];
+            memcpy(sums, acc[i][h], sizeof acc[i][h]);
+            const int64_t at = (i0 + i) * n + c0;
+            for (int64_t c = 0; c < cols; c++) {
+                if (f32) {
+                    ((float *)out)[at + c] = bias ? sums[c] + ((const float *)bias)[c0 + c] : sums[c];
+                } else {
+                    const float b = bias ? from_bf16(((const uint16_t *)bias)[c0 + c]) : 0;
+                    ((uint16_t *)out)[at + c] = to_bf16(bias ? sums[c] + b : sums[c]);
+                }
             }
         }
     }
 }
 
-/* Every input row against panel p: the panel stays in cache while the rows stream by; the first tile prefetches
-   the next panel. */
-INLINE void panel_rows(const float *x, int64_t x_row, const void *panels, const void *bias, void *out, int64_t m,
-                       int64_t n, int64_t k, int64_t p, int f32) {
+/* Every input row against panels [p, p + np): the panels stay in cache while the rows stream by; the first tile
+   prefetches the next ones. */
+INLINE void tile_rows(const float *x, int64_t x_row, const void *panels, const void *bias, void *out, int64_t m,
+                      int64_t n, int64_t k, int64_t p, int np, int f32) {
     const int64_t bytes = k * PANEL * (f32 ? sizeof(float) : sizeof(uint16_t));
-    const char *panel = (const char *)panels + p * bytes, *next = p + 1 < (n + PANEL - 1) / PANEL ? panel + bytes : 0;
+    const char *panel = (const char *)panels + p * bytes;
+    const char *next = p + np < (n + PANEL - 1) / PANEL ? panel + np * bytes : 0; /* past the end: harmless */
     int64_t i = 0;
-    for (; i + ROWS <= m; i += ROWS, next = 0) tile(x, x_row, k, panel, i, ROWS, bias, out, n, p * PANEL, next, f32);
-#define REST(r) case r: tile(x, x_row, k, panel, i, r, bias, out, n, p * PANEL, next, f32); break;
+    for (; i + ROWS <= m; i += ROWS, next = 0)
+        tile(x, x_row, k, panel, i, ROWS, np, bias, out, n, p * PANEL, next, f32);
+#define REST(r) case r: tile(x, x_row, k, panel, i, r, np, bias, out, n, p * PANEL, next, f32); break;
     switch (m - i) { REST_CASES } /* the rest as a constant count, so that the compiler unrolls the loop over rows */
 #undef REST
+}
+
+/* Panels [p, p + TILE_PANELS), or the last one alone, as constants: both counts unroll. */
+INLINE void panel_rows(const float *x, int64_t x_row, const void *panels, const void *bias, void *out, int64_t m,
+                       int64_t n, int64_t k, int64_t p, int f32) {
+    if ((n + PANEL - 1) / PANEL - p >= TILE_PANELS)
+        tile_rows(x, x_row, panels, bias, out, m, n, k, p, TILE_PANELS, f32);
+    else
+        tile_rows(x, x_row, panels, bias, out, m, n, k, p, 1, f32);
 }
 
 /* panel_rows compiled once per weight type: the type is a constant inside, the loop over panels shared */
@@ -155,7 +175,7 @@ static void fma_linear(panel_fn *rows_of, const float *x, int64_t x_row, const v
                        void *out, int64_t m, int64_t n, int64_t k, int threads) {
     const int64_t count = (n + PANEL - 1) / PANEL;
     #pragma omp parallel for schedule(static) num_threads(threads) if(threads > 1)
-    for (int64_t p = 0; p < count; p++) rows_of(x, x_row, panels, bias, out, m, n, k, p);
+    for (int64_t p = 0; p < count; p += TILE_PANELS) rows_of(x, x_row, panels, bias, out, m, n, k, p);
 }
 
 /* bfloat16 inputs, widened once (each is read by every panel) into a copy (copy_stride) */
