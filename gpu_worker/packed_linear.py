@@ -190,8 +190,8 @@ def available_kinds(dtype: torch.dtype = torch.bfloat16) -> list[str]:
 
 
 def linear_kind(dtype: torch.dtype = torch.bfloat16) -> str:
-    """How this process multiplies linears of `dtype`: for bfloat16 "amx", "onednn", "fma" or "chunks", for float32
-    "fma" or "mkl" (the module's docstring)."""
+    """How this process multiplies linears of `dtype`: for bfloat16 "amx", "avx512bf16", "onednn", "fma" or
+    "chunks", for float32 "fma" or "mkl" (the module's docstring)."""
     return available_kinds(dtype)[0]
 
 

@@ -13,12 +13,12 @@
      pairs of panels; a tile of 16 input rows × 32 input columns against a panel's 16 × 32 adds into 16 × 16
      float32 sums, 32 columns at a time in order. An output's sums depend only on its row and column, whatever
      tile row or batch they are in.
-   - AVX-512 BF16's `vdpbf16ps`, where the CPU has it and not AMX (Zen 4 and later, `bf16_dp`): the pairs' layout,
-     one instruction adding a pair of products into each of 16 float32 sums, a tile of up to DP_ROWS input rows ×
-     two panels keeping its sums in registers. At one row, the bits of oneDNN's own bfloat16 matmul on this CPU.
+   - AVX-512 BF16's `vdpbf16ps` (`bf16_dp`; Zen 4 and later, Cooper Lake and later), taken where AMX is not: the
+     pairs' layout, one instruction adding a pair of products into each of 16 float32 sums, a tile of up to DP_ROWS
+     input rows × two panels keeping its sums in registers. At one row, the bits of oneDNN's own bfloat16 matmul on such a CPU.
    - Elsewhere, fused multiply-adds in float32: the weight in panels of PANEL output columns, [k][PANEL], each
-     row widened in registers; a tile of up to ROWS input rows × PANEL outputs keeps its sums in registers (16
-     lanes at a time with AVX-512, 8 with AVX2: the same bits).
+     row widened in registers; a tile of up to ROWS input rows × TILE_PANELS panels keeps its sums in registers
+     (16 lanes at a time and two panels with AVX-512, 8 lanes and one with AVX2: the same bits).
 
    Layouts: x [m, k] bfloat16 with a row stride; w [n, k] bfloat16 contiguous (to pack); bias [n] bfloat16 or
    NULL; out [m, n] bfloat16 contiguous.
@@ -58,8 +58,10 @@
 /* `REST(r)` for each count of rows below ROWS: a tile's rows are a constant in each case, so loops over them unroll */
 #if ROWS == 12
 #define REST_CASES REST(1) REST(2) REST(3) REST(4) REST(5) REST(6) REST(7) REST(8) REST(9) REST(10) REST(11)
-#else
+#elif ROWS == 6
 #define REST_CASES REST(1) REST(2) REST(3) REST(4) REST(5)
+#else
+#error "REST_CASES lists the counts below ROWS"
 #endif
 typedef float vf __attribute__((vector_size(LANES * 4)));
 typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
@@ -98,7 +100,7 @@ INLINE vf weights(const void *panel, int64_t at, int f32) {
 }
 
 /* Input rows [i0, i0 + rows) of x (float32, x_row apart) against `np` panels from `panel` (1 or TILE_PANELS),
-   whose outputs are columns [n0, n0 + np PANEL) of out; the panels, bias and out float32 where f32, else
+   whose outputs are columns [n0, n0 + np × PANEL) of out; the panels, bias and out float32 where f32, else
    bfloat16. `next` (or NULL): the panels to prefetch into L2 meanwhile, so that a decode step's few rows do not
    wait on memory for each panel. */
 INLINE void tile(const float *restrict x, int64_t x_row, int64_t k, const void *restrict panel, int64_t i0,
@@ -236,6 +238,7 @@ INLINE void store_sums(const float (*sums)[PANEL], int64_t rows, int64_t row0, i
 #ifdef __AVX512BF16__
 #define DP_ROWS 14 /* input rows per tile: 28 accumulators, 2 weight vectors and a broadcast in 32 registers */
 #define DP_REST_CASES REST(1) REST(2) REST(3) REST(4) REST(5) REST(6) REST(7) REST(8) REST(9) REST(10) REST(11) REST(12) REST(13)
+_Static_assert(DP_ROWS == 14, "DP_REST_CASES lists the counts below DP_ROWS");
 /* Input rows [i0, i0 + rows) of x (bfloat16, k padded to even with a zero) against panels p and p + 1 of the
    pairs' layout (each one's [kp / 2][16][2]; the layout pads n to whole pairs of panels), whose outputs are columns
    [col0, col0 + 32): vdpbf16ps adds a pair of products into each float32 sum, the pairs in order whatever the
@@ -612,7 +615,7 @@ int bf16_linear(const uint16_t *x, int64_t x_row, const uint16_t *packed, const 
    there). On Intel's AVX-512 MKL multiplies 16 lanes: not measured, MKL kept. */
 int f32_linear_preferred(void) {
 #if defined(__AVX512F__)
-    return __builtin_cpu_is("amd");
+    return !!__builtin_cpu_is("amd");
 #elif defined(__AVX2__) && defined(__FMA__)
     return 1;
 #else

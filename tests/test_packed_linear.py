@@ -34,7 +34,7 @@ def test_a_packed_linear_computes_what_the_linear_does(tokens, bias):
         assert torch.equal(PackedLinear(linear)(x.t().contiguous().t()), linear(x))  # a strided input
 
 
-@pytest.mark.parametrize("tokens", [5, 40])  # one part tile (6 or 12 rows, 16 of amx); several whole ones
+@pytest.mark.parametrize("tokens", [5, 40])  # one part tile (6 or 12 rows of fma, 14 of avx512bf16, 16 of amx)
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "opt", "qwen2"])
 def test_a_bfloat16_model_with_packed_linears_gives_the_same_logits(arch, tokens, tmp_path):
     from gpu_worker.loader import load_config, load_model
@@ -137,13 +137,14 @@ def test_a_float32_linear_through_cpu_linear_gives_the_exact_product_within_floa
 
 @pytest.mark.parametrize("way,dtype", [("amx", torch.bfloat16), ("avx512bf16", torch.bfloat16),
                                        ("fma", torch.bfloat16), ("fma", torch.float32)])
-def test_cpu_linear_gives_a_row_the_same_bits_in_any_batch(way, dtype):
+@pytest.mark.parametrize("k", [772, 771])  # 771: an odd count, the last pair of inputs padded with a zero
+def test_cpu_linear_gives_a_row_the_same_bits_in_any_batch(way, dtype, k):
     """Each output sums its products in one order whatever the batch: a sequence's logits do not change with the
     sequences beside it, nor when a restarted worker recomputes its prefix in one prefill. 70 rows: whole and part
-    tiles (of 6, 12 or 16 rows), and AMX's row blocks beyond the first four."""
+    tiles (of 6, 12, 14 or 16 rows), and AMX's row blocks beyond the first four."""
     torch.manual_seed(0)
-    module = packed(way, linear_772_to_602(bias=True, dtype=dtype))
-    x = torch.randn(70, 772).to(dtype)
+    module = packed(way, torch.nn.Linear(k, 602, bias=True).to(dtype))
+    x = torch.randn(70, k).to(dtype)
     with torch.inference_mode():
         batch = module(x)
         for i in range(70):

@@ -47,7 +47,8 @@ def test_builtin_tiny_model_matches_transformers(tiny_model_dir):
     worker = worker_for(tiny_model_dir, block_size=8, num_blocks=2 * NUM_BLOCKS)
     assert worker.runner.dtype == torch.float32  # bf16 checkpoint, float32 on CPU by default
     assert worker.runner.backend.__name__ == "kernels.cpu_attention"  # the default on CPU
-    # float32 linears through kernels/cpu_linear.c where it beats MKL (AVX2 without AVX-512), else torch's own
+    # float32 linears through kernels/cpu_linear.c where it beats MKL (AVX2 without AVX-512, AMD's AVX-512), else
+    # torch's own
     native = packed_linear.linear_kind(torch.float32) == "fma"
     assert isinstance(worker.runner.model.lm_head, packed_linear.NativeLinear) == native
     assert generate(worker, batch) == hf_greedy(tiny_model_dir, batch, NEW_TOKENS)
