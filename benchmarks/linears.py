@@ -4,10 +4,10 @@ chunk's.
 
 The ways for bfloat16: "onednn" (torch's oneDNN matmul, weights packed once; where oneDNN has native bfloat16),
 "amx" (kernels/cpu_linear.c on AMX tiles, where the CPU has them), "avx512bf16" (cpu_linear.c with AVX-512 BF16's
-dot products, where the CPU has them), "fma" (cpu_linear.c in float32 fused multiply-adds), "chunks" (float32 chunks for MKL); for float32 (`--dtype float32`): "mkl" (torch's own linear) and
-"fma" (cpu_linear.c). Calls of all ways alternate, each its best of `--rounds`, so that a shared machine's slow
-spells fall on all of them; the ratios are to the first way's time. One torch thread, as `pagedserve up` gives a
-worker on two cores.
+dot products, where the CPU has them), "fma" (cpu_linear.c in float32 fused multiply-adds), "chunks" (float32
+chunks for MKL); for float32 (`--dtype float32`): "mkl" (torch's own linear) and "fma" (cpu_linear.c). Calls
+of all ways alternate, each its best of `--rounds`, so that a shared machine's slow spells fall on all of them;
+the ratios are to the first way's time. One torch thread, as `pagedserve up` gives a worker on two cores.
 
     python -m benchmarks.linears
     python -m benchmarks.linears --ways onednn,amx --rows 1,64 --shapes 100m
@@ -20,8 +20,8 @@ import sys
 import time
 from typing import Callable
 
+ORDER = ("onednn", "mkl", "amx", "avx512bf16", "fma", "chunks")  # the table's columns; ratios are to the first
 # (name, out_features, in_features): the projections of each model (q|k|v and gate|up merged, as the worker has them)
-ORDER = ("onednn", "mkl", "amx", "avx512bf16", "fma", "chunks")  # the table's columns; ratios are to the first one measured
 SHAPES = {
     "tiny": [("qkv", 512, 256), ("o", 256, 256), ("gate_up", 1024, 256), ("down", 256, 512), ("lm_head", 512, 256)],
     "100m": [("qkv", 1280, 768), ("o", 768, 768), ("gate_up", 4096, 768), ("down", 768, 2048),

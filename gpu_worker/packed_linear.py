@@ -49,7 +49,7 @@ KINDS = {"amx": "AMX tiles (kernels/cpu_linear.c), a row's outputs the same what
                 "outputs the same whatever the batch",
          "chunks": "float32 chunks for MKL (no C compiler and no native bfloat16)",
          "mkl": "torch's own float32 linear (MKL)"}
-NATIVE_KINDS = ("amx", "avx512bf16", "fma")  # through kernels/cpu_linear.c: a row's outputs the same bits in any batch
+NATIVE_KINDS = tuple(native.LINEAR_WAYS)  # through kernels/cpu_linear.c: a row's outputs the same bits in any batch
 
 
 class PackedLinear(nn.Module):

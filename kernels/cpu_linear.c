@@ -15,7 +15,8 @@
      tile row or batch they are in.
    - AVX-512 BF16's `vdpbf16ps` (`bf16_dp`; Zen 4 and later, Cooper Lake and later), taken where AMX is not: the
      pairs' layout, one instruction adding a pair of products into each of 16 float32 sums, a tile of up to DP_ROWS
-     input rows × two panels keeping its sums in registers. At one row, the bits of oneDNN's own bfloat16 matmul on such a CPU.
+     input rows × two panels keeping its sums in registers. At one row, the bits of oneDNN's own bfloat16 matmul on
+     such a CPU.
    - Elsewhere, fused multiply-adds in float32: the weight in panels of PANEL output columns, [k][PANEL], each
      row widened in registers; a tile of up to ROWS input rows × TILE_PANELS panels keeps its sums in registers
      (16 lanes at a time and two panels with AVX-512, 8 lanes and one with AVX2: the same bits).
@@ -75,6 +76,19 @@ static int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
    odd number of lines, so that a tile's rows fall in different sets of L1 (rows 4 KiB apart, as 2,048 bfloat16
    inputs are, all fell in the same sets and took 1.6x the time). */
 static int64_t copy_stride(int64_t k, int64_t per_line) { return (round_up(k, per_line) / per_line | 1) * per_line; }
+
+/* x's m rows of k values (`size` bytes each, rows x_row values apart) into a copy at `*copy` (the caller frees it),
+   copy_stride values apart, each row padded with zeros; the stride, or 0 when the copy cannot be allocated. */
+static int64_t copy_rows(const void *x, int64_t x_row, int64_t m, int64_t k, size_t size, void **copy) {
+    const int64_t stride = copy_stride(k, 64 / (int64_t)size);
+    char *to = *copy = malloc((size_t)(m * stride) * size);
+    if (!to) return 0;
+    for (int64_t i = 0; i < m; i++) {
+        memcpy(to + i * stride * size, (const char *)x + i * x_row * size, (size_t)k * size);
+        memset(to + (i * stride + k) * size, 0, (size_t)(stride - k) * size);
+    }
+    return stride;
+}
 
 /* ---- fused multiply-adds in float32 ---- */
 
@@ -237,7 +251,8 @@ INLINE void store_sums(const float (*sums)[PANEL], int64_t rows, int64_t row0, i
 
 #ifdef __AVX512BF16__
 #define DP_ROWS 14 /* input rows per tile: 28 accumulators, 2 weight vectors and a broadcast in 32 registers */
-#define DP_REST_CASES REST(1) REST(2) REST(3) REST(4) REST(5) REST(6) REST(7) REST(8) REST(9) REST(10) REST(11) REST(12) REST(13)
+#define DP_REST_CASES \
+    REST(1) REST(2) REST(3) REST(4) REST(5) REST(6) REST(7) REST(8) REST(9) REST(10) REST(11) REST(12) REST(13)
 _Static_assert(DP_ROWS == 14, "DP_REST_CASES lists the counts below DP_ROWS");
 /* Input rows [i0, i0 + rows) of x (bfloat16, k padded to even with a zero) against panels p and p + 1 of the
    pairs' layout (each one's [kp / 2][16][2]; the layout pads n to whole pairs of panels), whose outputs are columns
@@ -288,14 +303,9 @@ static void dp_panel_rows(const uint16_t *x, int64_t x_row, int64_t k, const uin
 
 static int dp_linear(const uint16_t *x, int64_t x_row, const uint16_t *panels, const bf16_out *o, int64_t k,
                      int threads) {
-    /* the rows copied (copy_stride), each padded with zeros: an odd k's last pair gets its zero */
-    const int64_t stride = copy_stride(k, TILE_K), m = o->m;
-    uint16_t *xs = aligned_alloc(64, (size_t)(m * stride) * sizeof *xs);
-    if (!xs) return -1;
-    for (int64_t i = 0; i < m; i++) {
-        memcpy(xs + i * stride, x + i * x_row, (size_t)k * sizeof *xs);
-        memset(xs + i * stride + k, 0, (size_t)(stride - k) * sizeof *xs);
-    }
+    void *xs; /* the rows copied, each padded with zeros: an odd k's last pair gets its zero */
+    const int64_t stride = copy_rows(x, x_row, o->m, k, sizeof *x, &xs);
+    if (!stride) return -1;
     const int64_t count = (o->n + PANEL - 1) / PANEL;
     #pragma omp parallel for schedule(static) num_threads(threads) if(threads > 1)
     for (int64_t p = 0; p < count; p += 2) dp_panel_rows(xs, stride, k, panels, p, o);
@@ -563,7 +573,8 @@ INLINE int unpack_rows(const void *packed, int64_t n, int64_t k, const int64_t *
         if (ids[i] < 0 || ids[i] >= n) return -1;
     for (int64_t i = 0; i < count; i++)
         for (int64_t d = 0; d < k; d++)
-            memcpy((char *)out + (i * k + d) * size, (const char *)packed + packed_at(ids[i], d, k, pairs) * size, size);
+            memcpy((char *)out + (i * k + d) * size, (const char *)packed + packed_at(ids[i], d, k, pairs) * size,
+                   size);
     return 0;
 }
 
@@ -633,10 +644,9 @@ int f32_linear(const float *x, int64_t x_row, const float *packed, const float *
         fma_linear(panel_rows_f32, x, x_row, packed, bias, out, m, n, k, threads);
         return 0;
     }
-    const int64_t stride = copy_stride(k, 16);
-    float *xs = malloc((size_t)(m * stride) * sizeof *xs);
-    if (!xs) return -1;
-    for (int64_t i = 0; i < m; i++) memcpy(xs + i * stride, x + i * x_row, (size_t)k * sizeof *xs);
+    void *xs;
+    const int64_t stride = copy_rows(x, x_row, m, k, sizeof *x, &xs);
+    if (!stride) return -1;
     fma_linear(panel_rows_f32, xs, stride, packed, bias, out, m, n, k, threads);
     free(xs);
     return 0;
