@@ -5,9 +5,10 @@ torch computes `F.silu(gate) * up` as two ops over a strided view of the merged 
 where the kernel takes 78 µs and 2.6 ms. It computes the same (float32, rounded to bfloat16 after the SiLU and
 after the product) in one pass; its exponential is not always torch's to the last bit, so an output may differ
 from torch's by one bfloat16 step, rarely, and a row's do not depend on the batch. Only where the kernel was
-built with AVX-512: its scalar loop alone is slower than torch. Where the linears run on AMX tiles, the merged
-gate|up projection does it in its epilogue (a gated NativeLinear): its output, twice the activation's, is then
-neither written out nor read back (a prefill step of 16 × 128 tokens of the ~100M Llama: ~5 % less time).
+built with AVX-512: its scalar loop alone is slower than torch. Where the linears run on AMX tiles or AVX-512
+BF16's dot products, the merged gate|up projection does it in its epilogue (a gated NativeLinear): its output,
+twice the activation's, is then neither written out nor read back (a prefill step of 16 × 128 tokens of the
+~100M Llama: ~5 % less time on AMX).
 """
 from __future__ import annotations
 
@@ -24,14 +25,17 @@ from kernels import native
 
 class NativeGatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with the activation in one C call, or in the gate|up projection's epilogue
-    where the linears run on AMX tiles (swapped before they are packed: the projection is packed gated here)."""
+    where the linears read the pairs' layout (swapped before they are packed: the projection is packed gated
+    here)."""
 
     def __init__(self, mlp: GatedMLP, kernel: ctypes.CDLL) -> None:
         super().__init__()
         self.down_proj, self.kernel = mlp.down_proj, kernel
         # still torch's (swapped before pack_linears): packed here, gated
-        self.gated = packed_linear.linear_kind() == "amx" and isinstance(mlp.gate_up_proj, nn.Linear)
-        self.gate_up_proj = (packed_linear.NativeLinear(mlp.gate_up_proj, kernel, "amx", gated=True) if self.gated
+        way, projection = packed_linear.linear_kind(), mlp.gate_up_proj
+        self.gated = (way in packed_linear.GATED_KINDS and isinstance(projection, nn.Linear)
+                      and projection.weight.dtype == torch.bfloat16)
+        self.gate_up_proj = (packed_linear.NativeLinear(mlp.gate_up_proj, kernel, way, gated=True) if self.gated
                              else mlp.gate_up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -50,6 +50,7 @@ KINDS = {"amx": "AMX tiles (kernels/cpu_linear.c), a row's outputs the same what
          "chunks": "float32 chunks for MKL (no C compiler and no native bfloat16)",
          "mkl": "torch's own float32 linear (MKL)"}
 NATIVE_KINDS = tuple(native.LINEAR_WAYS)  # through kernels/cpu_linear.c: a row's outputs the same bits in any batch
+GATED_KINDS = ("amx", "avx512bf16")  # the pairs' ways, whose epilogue can take the gated MLP's activation
 
 
 class PackedLinear(nn.Module):
@@ -70,7 +71,7 @@ class NativeLinear(nn.Module):
     `NATIVE_KINDS`: bfloat16 with AMX tiles, with AVX-512 BF16's dot products or in float32 fused multiply-adds;
     float32 in fused multiply-adds.
 
-    `gated` (AMX tiles only): `linear` is a merged gate|up projection, and the module gives silu(gate) * up, the
+    `gated` (the pairs' ways: AMX tiles or AVX-512 BF16): `linear` is a merged gate|up projection, and the module gives silu(gate) * up, the
     activation in the kernel's epilogue (kernels/silu.h: the bits of the projection and kernels/cpu_act.c apart),
     so the projection's output, twice the activation's, is neither written out nor read back."""
 
@@ -78,8 +79,8 @@ class NativeLinear(nn.Module):
         super().__init__()
         if way not in NATIVE_KINDS:
             raise ValueError(f"cpu_linear.c has no way {way!r} (it has {', '.join(NATIVE_KINDS)})")
-        if gated and way != "amx":
-            raise ValueError("a gated NativeLinear needs AMX tiles")
+        if gated and way == "fma":
+            raise ValueError("a gated NativeLinear needs AMX tiles or AVX-512 BF16 (the fma way has no epilogue)")
         self.dtype = torch.float32 if linear.weight.dtype == torch.float32 else torch.bfloat16
         if way != "fma" and self.dtype == torch.float32:
             raise ValueError(f"the {way} way multiplies bfloat16, not float32")

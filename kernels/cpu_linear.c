@@ -41,7 +41,8 @@
 #define HAVE_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
-
+#endif
+#ifdef __AVX512F__
 #include "silu.h"
 #endif
 
@@ -105,6 +106,18 @@ INLINE vf widen(const uint16_t *p) {
 #endif
 }
 
+/* acc + x * w, one rounding a lane: spelled out, so that the bits of AVX2 and AVX-512 builds agree whatever the
+   compiler's -ffp-contract (without FMA hardware the product rounds first, and the bits are that build's own). */
+INLINE vf fmadd(float x, vf w, vf acc) {
+#ifdef __AVX512F__
+    return (vf)_mm512_fmadd_ps(_mm512_set1_ps(x), (__m512)w, (__m512)acc);
+#elif defined(__FMA__)
+    return (vf)_mm256_fmadd_ps(_mm256_set1_ps(x), (__m256)w, (__m256)acc);
+#else
+    return acc + x * w;
+#endif
+}
+
 /* LANES weights of a panel at `at`: float32 where f32, else bfloat16 widened. */
 INLINE vf weights(const void *panel, int64_t at, int f32) {
     if (!f32) return widen((const uint16_t *)panel + at);
@@ -132,7 +145,7 @@ INLINE void tile(const float *restrict x, int64_t x_row, int64_t k, const void *
             for (int h = 0; h < np; h++) __builtin_prefetch(next + h * bytes + d * 64 / line, 0, 2);
         for (int64_t i = 0; i < rows; i++)
             for (int h = 0; h < np; h++)
-                for (int v = 0; v < VECS; v++) acc[i][h][v] += xr[i * x_row + d] * w[h][v]; /* one fma a lane */
+                for (int v = 0; v < VECS; v++) acc[i][h][v] = fmadd(xr[i * x_row + d], w[h][v], acc[i][h][v]);
     }
     for (int h = 0; h < np; h++) {
         const int64_t c0 = n0 + h * PANEL, cols = n - c0 < PANEL ? n - c0 : PANEL;
@@ -210,8 +223,8 @@ static int fma_linear_bf16(const uint16_t *x, int64_t x_row, const uint16_t *pan
 /* ---- the pairs' layout: AMX tiles and AVX-512 BF16 dot products ---- */
 
 #ifdef __AVX512F__
-/* Where finished sums of the pairs' layout go: out [m, n], the bias per packed column (or NULL). Gated (AMX
-   tiles): the panels come in pairs, a gate's 16 columns then the same 16 of up (gpu_worker/packed_linear.py
+/* Where finished sums of the pairs' layout go: out [m, n], the bias per packed column (or NULL). Gated: the
+   panels come in pairs, a gate's 16 columns then the same 16 of up (gpu_worker/packed_linear.py
    interleaves them), and out takes silu(gate) * up (kernels/silu.h) of each pair, out column = packed column / 2. */
 typedef struct {
     const uint16_t *bias;
@@ -245,6 +258,21 @@ INLINE void store_sums(const float (*sums)[PANEL], int64_t rows, int64_t row0, i
     }
 }
 
+/* `rows` rows of a gated pair's sums (gate's, then up's, the gate's at packed column col0) to out: each rounded
+   with its bias as store_sums rounds it, then silu(gate) * up: the bits of the projection and kernels/cpu_act.c
+   apart. */
+INLINE void store_gated(const float (*gate)[PANEL], const float (*up)[PANEL], int64_t rows, int64_t row0,
+                        int64_t col0, const bf16_out *o) {
+    const int64_t n = o->n, at = col0 / 2, cols = n - at < PANEL ? n - at : PANEL;
+    const __m512 bg = o->bias ? bf16_widen16(o->bias + col0) : _mm512_setzero_ps();
+    const __m512 bu = o->bias ? bf16_widen16(o->bias + col0 + PANEL) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < rows; i++) {
+        __m512 g = _mm512_loadu_ps(gate[i]), u = _mm512_loadu_ps(up[i]);
+        if (o->bias) g = _mm512_add_ps(g, bg), u = _mm512_add_ps(u, bu);
+        store_row(o->out + (row0 + i) * n + at, silu_mul16(bf16_round16(g), bf16_round16(u)), cols);
+    }
+}
+
 #endif
 
 /* ---- AVX-512 BF16 dot products ---- */
@@ -255,10 +283,10 @@ INLINE void store_sums(const float (*sums)[PANEL], int64_t rows, int64_t row0, i
     REST(1) REST(2) REST(3) REST(4) REST(5) REST(6) REST(7) REST(8) REST(9) REST(10) REST(11) REST(12) REST(13)
 _Static_assert(DP_ROWS == 14, "DP_REST_CASES lists the counts below DP_ROWS");
 /* Input rows [i0, i0 + rows) of x (bfloat16, k padded to even with a zero) against panels p and p + 1 of the
-   pairs' layout (each one's [kp / 2][16][2]; the layout pads n to whole pairs of panels), whose outputs are columns
-   [col0, col0 + 32): vdpbf16ps adds a pair of products into each float32 sum, the pairs in order whatever the
-   batch. Two panels, so that each broadcast input pair serves two dot products. `next` (or NULL): the next two
-   panels, prefetched into L2 meanwhile. */
+   pairs' layout (each one's [kp / 2][16][2]; the layout pads n to whole pairs of panels), whose outputs are packed
+   columns [col0, col0 + 32) (gated: a gate's 16 and the same 16 of up): vdpbf16ps adds a pair of products into
+   each float32 sum, the pairs in order whatever the batch. Two panels, so that each broadcast input pair serves two
+   dot products. `next` (or NULL): the next two panels, prefetched into L2 meanwhile. */
 INLINE void dp_tile(const uint16_t *restrict x, int64_t x_row, int64_t pairs, int64_t kp,
                     const uint16_t *restrict panel, int64_t i0, int64_t rows, int64_t col0, const char *next,
                     const bf16_out *o) {
@@ -283,16 +311,20 @@ INLINE void dp_tile(const uint16_t *restrict x, int64_t x_row, int64_t pairs, in
     }
     float sums[2][DP_ROWS][PANEL] __attribute__((aligned(64)));
     for (int64_t i = 0; i < rows; i++) _mm512_store_ps(sums[0][i], acc[i][0]), _mm512_store_ps(sums[1][i], acc[i][1]);
-    store_sums(sums[0], rows, i0, col0, o);
-    store_sums(sums[1], rows, i0, col0 + PANEL, o);
+    if (o->gated) {
+        store_gated(sums[0], sums[1], rows, i0, col0, o);
+    } else {
+        store_sums(sums[0], rows, i0, col0, o);
+        store_sums(sums[1], rows, i0, col0 + PANEL, o);
+    }
 }
 
-/* Every input row against panels p and p + 1, as panel_rows does for the fused multiply-adds. */
+/* Every input row against panels p and p + 1 of `count`, as panel_rows does for the fused multiply-adds. */
 static void dp_panel_rows(const uint16_t *x, int64_t x_row, int64_t k, const uint16_t *panels, int64_t p,
-                          const bf16_out *o) {
+                          int64_t count, const bf16_out *o) {
     const int64_t kp = round_up(k, TILE_K), pairs = (k + 1) / 2, m = o->m;
     const uint16_t *panel = panels + p * kp * PANEL;
-    const char *next = p + 2 < (o->n + PANEL - 1) / PANEL ? (const char *)(panel + 2 * kp * PANEL) : 0;
+    const char *next = p + 2 < count ? (const char *)(panel + 2 * kp * PANEL) : 0;
     int64_t i = 0;
     for (; i + DP_ROWS <= m; i += DP_ROWS, next = 0)
         dp_tile(x, x_row, pairs, kp, panel, i, DP_ROWS, p * PANEL, next, o);
@@ -306,9 +338,9 @@ static int dp_linear(const uint16_t *x, int64_t x_row, const uint16_t *panels, c
     void *xs; /* the rows copied, each padded with zeros: an odd k's last pair gets its zero */
     const int64_t stride = copy_rows(x, x_row, o->m, k, sizeof *x, &xs);
     if (!stride) return -1;
-    const int64_t count = (o->n + PANEL - 1) / PANEL;
+    const int64_t count = round_up(o->n, PANEL) / PANEL * (o->gated ? 2 : 1);
     #pragma omp parallel for schedule(static) num_threads(threads) if(threads > 1)
-    for (int64_t p = 0; p < count; p += 2) dp_panel_rows(xs, stride, k, panels, p, o);
+    for (int64_t p = 0; p < count; p += 2) dp_panel_rows(xs, stride, k, panels, p, count, o);
     free(xs);
     return 0;
 }
@@ -336,19 +368,10 @@ INLINE void amx_store(const float sums[16][PANEL], int64_t row0, int64_t col0, c
     store_sums(sums, o->m - row0 < 16 ? o->m - row0 : 16, row0, col0, o);
 }
 
-/* A gated pair of tiles (gate's sums, then up's, the gate's at packed column col0) to out: each rounded with its
-   bias as amx_store rounds it, then silu(gate) * up: the bits of the projection and kernels/cpu_act.c apart. */
+/* A gated pair of tiles (gate's sums, then up's, the gate's at packed column col0) to out: the rows that exist. */
 INLINE void amx_store_gated(const float gate[16][PANEL], const float up[16][PANEL], int64_t row0, int64_t col0,
                             const bf16_out *o) {
-    const int64_t n = o->n, at = col0 / 2, cols = n - at < PANEL ? n - at : PANEL;
-    const int64_t rows = o->m - row0 < 16 ? o->m - row0 : 16;
-    const __m512 bg = o->bias ? bf16_widen16(o->bias + col0) : _mm512_setzero_ps();
-    const __m512 bu = o->bias ? bf16_widen16(o->bias + col0 + PANEL) : _mm512_setzero_ps();
-    for (int64_t i = 0; i < rows; i++) {
-        __m512 g = _mm512_loadu_ps(gate[i]), u = _mm512_loadu_ps(up[i]);
-        if (o->bias) g = _mm512_add_ps(g, bg), u = _mm512_add_ps(u, bu);
-        store_row(o->out + (row0 + i) * n + at, silu_mul16(bf16_round16(g), bf16_round16(u)), cols);
-    }
+    store_gated(gate, up, o->m - row0 < 16 ? o->m - row0 : 16, row0, col0, o);
 }
 
 #define AHEAD 8 /* chunks of a panel prefetched ahead of its loads: 8 KiB, enough to keep memory streaming */
@@ -599,14 +622,14 @@ int f32_unpack_rows(const float *packed, int64_t n, int64_t k, const int64_t *id
 enum { WAY_FMA, WAY_AMX, WAY_DP }; /* bf16_linear's ways (kernels/native.py: LINEAR_WAYS) */
 
 /* out [m, n] = x w^T + bias, the weight packed by bf16_pack in the way's layout (the pairs' for WAY_AMX and
-   WAY_DP); gated (AMX tiles only): out [m, n] = silu(gate) * up of the merged gate|up projection, its weight
+   WAY_DP); gated (those two ways): out [m, n] = silu(gate) * up of the merged gate|up projection, its weight
    [2 n16, k] and bias [2 n16] interleaved in pairs of 16 rows (gate's, then up's; n16 = n padded to a multiple of
    16, the padding zeros). Returns 0; -1 when a copy of the input cannot be allocated; -2 when a way is asked for
-   that this process cannot take; -3 when gated without AMX. */
+   that this process cannot take; -3 when gated in the fused multiply-adds' way. */
 int bf16_linear(const uint16_t *x, int64_t x_row, const uint16_t *packed, const uint16_t *bias, uint16_t *out,
                 int64_t m, int64_t n, int64_t k, int threads, int way, int gated) {
     if ((way == WAY_AMX && !bf16_amx()) || (way == WAY_DP && !bf16_dp()) || way < WAY_FMA || way > WAY_DP) return -2;
-    if (gated && way != WAY_AMX) return -3;
+    if (gated && way == WAY_FMA) return -3;
     if (m <= 0 || n <= 0) return 0;
 #if defined(HAVE_AMX) || defined(__AVX512BF16__)
     const bf16_out o = {.bias = bias, .out = out, .m = m, .n = n, .gated = gated};

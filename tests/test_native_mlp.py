@@ -58,26 +58,28 @@ def test_a_rows_activation_is_the_same_bits_in_any_batch_and_from_strided_views(
         act(gate_up.float())
 
 
-@pytest.mark.skipif("amx" not in packed_linear.available_kinds(), reason="no AMX tiles here")
-@pytest.mark.parametrize("n,k,bias", [(100, 772, True), (256, 64, False), (40, 96, True)])
-def test_the_gate_up_projection_with_the_activation_in_its_epilogue_gives_the_same_bits(kernel, n, k, bias):
-    """The gated AMX linear against the projection and the activation apart (each checked against torch above
-    and in test_packed_linear): every row count the kernel splits otherwise (one row block, up to four, more; the
-    column blocks in pairs), a half that is no multiple of 16, a bias."""
+@pytest.mark.parametrize("way", [pytest.param(way, marks=pytest.mark.skipif(
+    way not in packed_linear.available_kinds(), reason=f"no {way} here")) for way in packed_linear.GATED_KINDS])
+@pytest.mark.parametrize("n,k,bias", [(100, 772, True), (256, 64, False), (40, 96, True), (24, 95, True)])
+def test_the_gate_up_projection_with_the_activation_in_its_epilogue_gives_the_same_bits(kernel, way, n, k, bias):
+    """The gated linear (AMX tiles, AVX-512 BF16) against the projection and the activation apart (each checked
+    against torch above and in test_packed_linear): every row count the kernels split otherwise (one row block, up
+    to four, more; the column blocks in pairs; tiles of 14 rows), a half that is no multiple of 16, an odd k, a
+    bias."""
     torch.manual_seed(n)
     projection = MergedLinear(k, [n, n], bias=bias).to(torch.bfloat16)
     with torch.no_grad():
         projection.weight.normal_(0, 0.05)
         if bias:
             projection.bias.normal_(0, 0.5)
-    apart = NativeLinear(projection, kernel, "amx")
-    fused = NativeLinear(projection, kernel, "amx", gated=True)
+    apart = NativeLinear(projection, kernel, way)
+    fused = NativeLinear(projection, kernel, way, gated=True)
     activate = NativeGatedMLP(GatedMLP(4, n, "silu", False), kernel).activate
-    for rows in (1, 5, 16, 17, 64, 70, 300):
+    for rows in (1, 5, 14, 16, 17, 64, 70, 300):
         x = (torch.randn(rows, k) * 2).to(torch.bfloat16)
         with torch.inference_mode():
             assert torch.equal(fused(x), activate(apart(x))), rows
-    with pytest.raises(ValueError, match="AMX"):
+    with pytest.raises(ValueError, match="no epilogue"):
         NativeLinear(projection, kernel, "fma", gated=True)
 
 
