@@ -71,9 +71,10 @@ class NativeLinear(nn.Module):
     `NATIVE_KINDS`: bfloat16 with AMX tiles, with AVX-512 BF16's dot products or in float32 fused multiply-adds;
     float32 in fused multiply-adds.
 
-    `gated` (the pairs' ways: AMX tiles or AVX-512 BF16): `linear` is a merged gate|up projection, and the module gives silu(gate) * up, the
-    activation in the kernel's epilogue (kernels/silu.h: the bits of the projection and kernels/cpu_act.c apart),
-    so the projection's output, twice the activation's, is neither written out nor read back."""
+    `gated` (the pairs' ways, `GATED_KINDS`): `linear` is a merged gate|up projection, and the module gives
+    silu(gate) * up, the activation in the kernel's epilogue (kernels/silu.h: the bits of the projection and
+    kernels/cpu_act.c apart), so the projection's output, twice the activation's, is neither written out nor read
+    back."""
 
     def __init__(self, linear: nn.Linear, kernel: ctypes.CDLL, way: str = "fma", gated: bool = False) -> None:
         super().__init__()

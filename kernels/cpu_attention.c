@@ -15,6 +15,7 @@
    [num_seqs, table_row]; tasks int64 [n, 4]: first query row, sequence, keys its first row sees, rows.
    head_dim and block_size are multiples of 8. */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 #ifdef __FMA__
@@ -203,20 +204,21 @@ INLINE void task(int dtype, const void *q, int64_t q_row, int64_t q_head, const 
     memset(acc, 0, sizeof acc);
     /* a later block is prefetched a share per kv head (all at once would stall on the memory queues): AHEAD
        blocks on, past this task's end into the next task's first blocks (else each sequence's first blocks wait on
-       memory: 1.1x the time at 64 sequences of 192 tokens), and at the first block the blocks between too, unless
-       the task before fetched them (`warm`) */
+       memory: 1.1x the time at 64 sequences of 192 tokens, one thread), and at the first block the ones between as
+       well, but for those the task before fetched (`warm`: it reached AHEAD blocks past its end) */
     const int64_t share = block_size * dim * (dtype ? 2 : 4), block_bytes = share * kv_heads;
     const int64_t blocks = (last + block_size - 1) / block_size;
+    const int64_t fetched = warm ? (blocks < AHEAD ? blocks : AHEAD) : 1; /* the first block's first prefetch */
     for (int64_t start = 0, index = 0; start < last; start += block_size, index++) {
         const int64_t count = last - start < block_size ? last - start : block_size;
         for (int64_t h = 0; h < kv_heads; h++) {
-            for (int64_t b = index || warm ? AHEAD : 1; b <= AHEAD; b++) {
+            for (int64_t b = index ? AHEAD : fetched; b <= AHEAD; b++) {
                 const int64_t at = block_at(table, blocks, next_table, next_blocks, index + b);
                 if (at < 0) break;
                 prefetch((const char *)kc + at * block_bytes + h * share, share);
                 prefetch((const char *)vc + at * block_bytes + h * share, share);
             }
-            const int64_t first = (int64_t)table[start / block_size] * block_size * token_stride + h * dim;
+            const int64_t first = (int64_t)table[index] * block_size * token_stride + h * dim;
             const float *k = kb, *v = vb;
             int64_t stride = dim;
             if (dtype) {
@@ -258,16 +260,18 @@ int paged_attention(int dtype, const void *q, int64_t q_row, int64_t q_head, con
     if (dtype != 0 && dtype != 1) return -1;
     #pragma omp parallel num_threads(threads) if(threads > 1)
     {
-        int64_t done = -1; /* the task this thread ran last, which prefetched the next one's first blocks */
+        /* alone, this thread runs the tasks in turn, and each prefetches the next one's first blocks; in a team the
+           next task goes to whichever thread is free first (prefetched into this core's cache: 1.06x the time) */
+        const int alone = omp_get_num_threads() == 1;
         #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n; i++) {
             const int64_t *t = tasks + 4 * i, *u = t + 4;
-            const int32_t *table = tables + t[1] * table_row, *next_table = i + 1 < n ? tables + u[1] * table_row : 0;
-            const int64_t next_blocks = i + 1 < n ? (u[2] + u[3] - 1 + block_size - 1) / block_size : 0;
-            const int warm = done == i - 1;
+            const int ahead = alone && i + 1 < n;
+            const int32_t *table = tables + t[1] * table_row, *next_table = ahead ? tables + u[1] * table_row : 0;
+            const int64_t next_blocks = ahead ? (u[2] + u[3] - 1 + block_size - 1) / block_size : 0;
             /* the common head sizes as constants, so that the compiler unrolls the loops over them */
 #define TASK(DIM) task(dtype, q, q_row, q_head, kc, vc, o, o_row, o_head, table, t[2], t[0], t[3], next_table, \
-                       next_blocks, warm, heads, kv_heads, DIM, block_size, scale)
+                       next_blocks, alone && i > 0, heads, kv_heads, DIM, block_size, scale)
             if (dim == 64)
                 TASK(64);
             else if (dim == 128)
@@ -275,7 +279,6 @@ int paged_attention(int dtype, const void *q, int64_t q_row, int64_t q_head, con
             else
                 TASK(dim);
 #undef TASK
-            done = i;
         }
     }
     return 0;

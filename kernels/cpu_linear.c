@@ -34,7 +34,7 @@
 
 #include "bf16.h"
 
-#ifdef __AVX2__
+#if defined(__AVX2__) || defined(__FMA__) /* fmadd's intrinsics */
 #include <immintrin.h>
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -319,7 +319,8 @@ INLINE void dp_tile(const uint16_t *restrict x, int64_t x_row, int64_t pairs, in
     }
 }
 
-/* Every input row against panels p and p + 1 of `count`, as panel_rows does for the fused multiply-adds. */
+/* Every input row against panels p and p + 1 (of `count` in all: `next` stays within them), as panel_rows does
+   for the fused multiply-adds. */
 static void dp_panel_rows(const uint16_t *x, int64_t x_row, int64_t k, const uint16_t *panels, int64_t p,
                           int64_t count, const bf16_out *o) {
     const int64_t kp = round_up(k, TILE_K), pairs = (k + 1) / 2, m = o->m;
