@@ -35,8 +35,8 @@ class NativeGatedMLP(nn.Module):
         way, projection = packed_linear.linear_kind(), mlp.gate_up_proj
         self.gated = (way in packed_linear.GATED_KINDS and isinstance(projection, nn.Linear)
                       and projection.weight.dtype == torch.bfloat16)
-        self.gate_up_proj = (packed_linear.NativeLinear(mlp.gate_up_proj, kernel, way, gated=True) if self.gated
-                             else mlp.gate_up_proj)
+        self.gate_up_proj = (packed_linear.NativeLinear(projection, kernel, way, gated=True) if self.gated
+                             else projection)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         projected = self.gate_up_proj(x)

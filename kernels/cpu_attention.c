@@ -172,6 +172,11 @@ INLINE void prefetch(const char *p, int64_t bytes) {
 
 #define AHEAD 2 /* blocks */
 
+/* The blocks a task reads: those of the keys its last row sees (`len` for its first of `span` rows, one more each). */
+INLINE int64_t task_blocks(int64_t len, int64_t span, int64_t block_size) {
+    return (len + span - 1 + block_size - 1) / block_size;
+}
+
 /* The cache block `index` blocks into a task's walk (it has `blocks`), or past its end into the next task's (0
    blocks where there is none); -1 past both. */
 INLINE int64_t block_at(const int32_t *table, int64_t blocks, const int32_t *next_table, int64_t next_blocks,
@@ -207,7 +212,7 @@ INLINE void task(int dtype, const void *q, int64_t q_row, int64_t q_head, const 
        memory: 1.1x the time at 64 sequences of 192 tokens, one thread), and at the first block the ones between as
        well, but for those the task before fetched (`warm`: it reached AHEAD blocks past its end) */
     const int64_t share = block_size * dim * (dtype ? 2 : 4), block_bytes = share * kv_heads;
-    const int64_t blocks = (last + block_size - 1) / block_size;
+    const int64_t blocks = task_blocks(len, span, block_size);
     const int64_t fetched = warm ? (blocks < AHEAD ? blocks : AHEAD) : 1; /* the first block's first prefetch */
     for (int64_t start = 0, index = 0; start < last; start += block_size, index++) {
         const int64_t count = last - start < block_size ? last - start : block_size;
@@ -268,7 +273,7 @@ int paged_attention(int dtype, const void *q, int64_t q_row, int64_t q_head, con
             const int64_t *t = tasks + 4 * i, *u = t + 4;
             const int ahead = alone && i + 1 < n;
             const int32_t *table = tables + t[1] * table_row, *next_table = ahead ? tables + u[1] * table_row : 0;
-            const int64_t next_blocks = ahead ? (u[2] + u[3] - 1 + block_size - 1) / block_size : 0;
+            const int64_t next_blocks = ahead ? task_blocks(u[2], u[3], block_size) : 0;
             /* the common head sizes as constants, so that the compiler unrolls the loops over them */
 #define TASK(DIM) task(dtype, q, q_row, q_head, kc, vc, o, o_row, o_head, table, t[2], t[0], t[3], next_table, \
                        next_blocks, alone && i > 0, heads, kv_heads, DIM, block_size, scale)

@@ -233,6 +233,9 @@ typedef struct {
     int gated;
 } bf16_out;
 
+/* Panels of the packed weight: n's, padded to a multiple of 16, twice over when gated (gate's and up's). */
+INLINE int64_t packed_panels(const bf16_out *o) { return round_up(o->n, PANEL) / PANEL * (o->gated ? 2 : 1); }
+
 /* A row's 16 bfloat16 to out, the `cols` of them that exist. */
 INLINE void store_row(uint16_t *dst, __m256i h, int64_t cols) {
     if (cols == PANEL) {
@@ -339,7 +342,7 @@ static int dp_linear(const uint16_t *x, int64_t x_row, const uint16_t *panels, c
     void *xs; /* the rows copied, each padded with zeros: an odd k's last pair gets its zero */
     const int64_t stride = copy_rows(x, x_row, o->m, k, sizeof *x, &xs);
     if (!stride) return -1;
-    const int64_t count = round_up(o->n, PANEL) / PANEL * (o->gated ? 2 : 1);
+    const int64_t count = packed_panels(o);
     #pragma omp parallel for schedule(static) num_threads(threads) if(threads > 1)
     for (int64_t p = 0; p < count; p += 2) dp_panel_rows(xs, stride, k, panels, p, count, o);
     free(xs);
@@ -502,7 +505,7 @@ static int amx_linear(const uint16_t *x, int64_t x_row, const uint16_t *panels, 
     /* the rows copied in tile order, zero-padded to whole row blocks and whole tile rows: every tile is one KiB
        in a row, every load in bounds, and the padding adds exact zeros */
     const int64_t m = o->m, kp = round_up(k, TILE_K), blocks = round_up(m, 16) / 16;
-    const int64_t count = round_up(o->n, PANEL) / PANEL * (o->gated ? 2 : 1);
+    const int64_t count = packed_panels(o);
     /* panels per block: at most BLOCK_BYTES, in a number of blocks the threads share evenly; whole gated pairs */
     const int64_t most = BLOCK_BYTES / (kp * PANEL * 2) > 2 ? BLOCK_BYTES / (kp * PANEL * 2) : 2;
     const int64_t shares = round_up((count + most - 1) / most, threads);

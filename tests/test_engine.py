@@ -61,9 +61,9 @@ def test_greedy_matches_transformers(tiny_model_dir, hf_model, settings):
 def test_a_sequence_gets_the_same_bits_alone_batched_chunked_or_recomputed(tiny_model_dir, dtype):
     """Where the linears are kernels/cpu_linear.c's (bfloat16: AMX tiles, AVX-512 BF16 dot products, or float32
     fused multiply-adds on CPUs without native bfloat16; float32: fused multiply-adds where they beat MKL), every
-    op sums a token's values in one order whatever else is in the step, and the attention does too, decode or prefill chunk
-    (kernels/cpu_attention.c). So a sequence's logprobs are the same bits alone, in a batch with chunked prefills,
-    or preempted and prefilled again, as after a worker's restart."""
+    op sums a token's values in one order whatever else is in the step, and the attention does too, decode or
+    prefill chunk (kernels/cpu_attention.c). So a sequence's logprobs are the same bits alone, in a batch with
+    chunked prefills, or preempted and prefilled again, as after a worker's restart."""
     from gpu_worker import packed_linear
 
     kind = packed_linear.linear_kind(getattr(torch, dtype))
