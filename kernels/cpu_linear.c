@@ -647,14 +647,12 @@ int bf16_linear(const uint16_t *x, int64_t x_row, const uint16_t *packed, const 
     return fma_linear_bf16(x, x_row, packed, bias, out, m, n, k, threads);
 }
 
-/* Whether f32_linear was measured faster than torch's float32 linear (MKL) here, for the ~100M Llama's shapes at 2
-   to 2,048 rows (a single row of the smaller ones ~10 µs slower or level) and a whole decode step (RESULTS.md): on
-   AVX2 with FMA and no AVX-512 (8 lanes against MKL's 8), and on AMD's AVX-512 (16 against MKL's AVX2 path
-   there). On Intel's AVX-512 MKL multiplies 16 lanes: not measured, MKL kept. */
+/* Whether f32_linear was measured faster than torch's float32 linear (MKL) here, for the ~100M Llama's shapes and
+   a whole decode step (RESULTS.md): on AVX2 with FMA and no AVX-512 (8 lanes against MKL's 8), on AMD's AVX-512
+   (16 against MKL's AVX2 path there), and on Intel's AVX-512 (16 against 16: 0.4-0.9x MKL's time at 8-64 rows, a
+   decode step; 1.1-1.3x at a prefill's 512-2,048). */
 int f32_linear_preferred(void) {
-#if defined(__AVX512F__)
-    return !!__builtin_cpu_is("amd");
-#elif defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     return 1;
 #else
     return 0;

@@ -161,7 +161,10 @@ def test_a_row_alone_in_pairs_of_inputs_gets_torchs_own_bfloat16_linear(way, n, 
     oneDNN's, with the same instructions (AMX tiles, or AVX-512 BF16's vdpbf16ps), and at one row it multiplies and
     adds as cpu_linear.c does (at many rows it splits the sums otherwise). An odd k: the last pair's second input
     is zero. No bias with AVX-512 BF16: there torch rounds the product to bfloat16 before it adds one, where the
-    kernel adds it in float32 and rounds once, as torch does with AMX tiles (the exact-product test bounds both)."""
+    kernel adds it in float32 and rounds once, as torch does with AMX tiles (the exact-product test bounds both).
+    Where the CPU has AMX tiles, oneDNN takes them for some shapes: no oracle there for vdpbf16ps."""
+    if way == "avx512bf16" and "amx" in available_kinds():
+        pytest.skip("torch's bfloat16 linear takes AMX tiles on this CPU, not vdpbf16ps alone")
     torch.manual_seed(n)
     linear = torch.nn.Linear(k, n, bias=bias).to(torch.bfloat16)
     module = packed(way, linear)
