@@ -46,8 +46,7 @@ CHUNK_ROWS = 256  # the fallback's float32 chunk: 768 KiB at 768 inputs, in cach
 KINDS = {"amx": "AMX tiles (kernels/cpu_linear.c), a row's outputs the same whatever the batch",
          "avx512bf16": "AVX-512 BF16 dot products (kernels/cpu_linear.c), a row's outputs the same whatever the batch",
          "onednn": "oneDNN's bfloat16 matmul, weights packed once",
-         "fma": "float32 fused multiply-adds (kernels/cpu_linear.c; bfloat16 weights widened in registers), a row's "
-                "outputs the same whatever the batch",
+         "fma": "fused multiply-adds in float32 (kernels/cpu_linear.c), a row's outputs the same whatever the batch",
          "chunks": "float32 chunks for MKL (no C compiler and no native bfloat16)",
          "mkl": "torch's own float32 linear (MKL)"}
 NATIVE_KINDS = tuple(native.LINEAR_WAYS)  # through kernels/cpu_linear.c: a row's outputs the same bits in any batch
