@@ -38,7 +38,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.redis]
 KEY = "up-test-key"
 WORKERS = ("worker-0", "worker-1")
 STREAMS = 12
-MAX_TOKENS = 64
+MAX_TOKENS = 192  # a phase lasts long enough for the fault to land mid-stream (at 64 one ended within 0.4 s)
 RECOVERY_S = 10.0
 # The services and the oracle engine share these, so that both hold the same KV cache.
 STACK_SETTINGS = dict(dtype="float32", kv_cache_bytes=16 << 20, swap_space_bytes=16 << 20)
