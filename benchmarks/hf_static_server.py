@@ -33,7 +33,7 @@ from typing import Any
 
 from aiohttp import web
 
-from shared.model_dir import ModelDirError, eos_token_ids, max_model_len, read_config, served_model_name
+from shared.model_dir import ModelDirError, eos_token_ids, max_model_len, read_config, resolve_model_dir
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -300,8 +300,9 @@ class StaticBatchServer:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    gen = StaticBatchGenerator(args.model, args.device, args.dtype)
-    server = StaticBatchServer(gen, served_model_name(args.model, args.served_model_name), args.max_batch_size,
+    model_dir = resolve_model_dir(str(args.model))
+    gen = StaticBatchGenerator(model_dir.path, args.device, args.dtype)
+    server = StaticBatchServer(gen, model_dir.served_name(args.served_model_name), args.max_batch_size,
                                args.kv_budget_tokens)
     runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()

@@ -45,10 +45,12 @@ class UpProcess:
     url: str = ""
 
     @classmethod
-    def start(cls, args: list[str], log_path: Path) -> "UpProcess":
-        """Run `pagedserve up ARGS` and return once it printed `ready:` (RuntimeError with its log otherwise)."""
+    def start(cls, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> "UpProcess":
+        """Run `pagedserve up ARGS` (with `env` over up_env()) and return once it printed `ready:` (RuntimeError with
+        its log otherwise)."""
         with open(log_path, "wb") as err:
-            proc = subprocess.Popen([*UP, *args], stdout=subprocess.PIPE, stderr=err, env=up_env(), text=True)
+            proc = subprocess.Popen([*UP, *args], stdout=subprocess.PIPE, stderr=err, env=up_env() | (env or {}),
+                                    text=True)
         lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
         up = cls(proc, log_path, lines)

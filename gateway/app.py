@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from aiohttp import web
+from aiohttp.web_log import AccessLogger
 from multidict import CIMultiDict
 
 from gateway import params
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 GATEWAY = web.AppKey("gateway", Gateway)
 USABLE_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces: safe in headers and logs
 OPEN_PATHS = ("/health", "/metrics", PAGE)  # answer without the API key
+PROBE_PATHS = ("/health", "/metrics")  # polled by launchers, load balancers and Prometheus: not access-logged
 # The gateway decodes a compressed body itself (aiohttp's own decoding answers a bad one in its own format, or
 # not at all): gzip or zlib-wrapped deflate, told apart by their headers.
 CONTENT_ENCODINGS = {"gzip": zlib.MAX_WBITS | 32, "deflate": zlib.MAX_WBITS | 32, "identity": None, "": None}
@@ -70,6 +72,15 @@ def _handle_json(raw: bytes, handle: Callable[[Any, ServedModel], Any], model: S
     except (ValueError, RecursionError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
     return handle(body, model)
+
+
+class AccessLog(AccessLogger):
+    """aiohttp's access log, less the probes' calls: `pagedserve up` polls /health five times a second while its
+    stack starts, and those lines would bury what the services say they are doing."""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        if request.path not in PROBE_PATHS:
+            super().log(request, response, time)
 
 
 def too_large(limit: int, size: int | None = None) -> ApiError:
@@ -277,5 +288,5 @@ def run(settings: Settings) -> int:
     """Serve until SIGINT/SIGTERM; in-flight requests are aborted on the bus as their handlers end."""
     log.info("gateway starting on http://%s:%d", settings.host, settings.port)
     web.run_app(create_app(settings), host=settings.host, port=settings.port, handler_cancellation=True,
-                shutdown_timeout=SHUTDOWN_TIMEOUT_S, print=None, **SERVER_OPTIONS)
+                shutdown_timeout=SHUTDOWN_TIMEOUT_S, print=None, access_log_class=AccessLog, **SERVER_OPTIONS)
     return 0

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.errors import bad_request
-from shared.model_dir import max_model_len, read_config, resolve_model_dir, served_model_name, vocab_size
+from shared.model_dir import max_model_len, read_config, resolve_model_dir, vocab_size
 from shared.settings import Settings
 
 
@@ -173,10 +173,11 @@ class ServedModel:
 
     @classmethod
     def load(cls, settings: Settings) -> "ServedModel":
-        path = resolve_model_dir(settings.model)
+        model_dir = resolve_model_dir(settings.model, weights=False)
+        path = model_dir.path
         config = read_config(path)
         tokenizer = Tokenizer.load(path)
-        return cls(name=served_model_name(path, settings.served_model_name), path=path,
+        return cls(name=model_dir.served_name(settings.served_model_name), path=path,
                    max_model_len=max_model_len(config, settings.max_model_len),
                    vocab_size=vocab_size(config) or tokenizer.vocab_size,
                    tokenizer=tokenizer)

@@ -156,11 +156,12 @@ def load(settings: Settings, worker_id: str) -> Worker:
     tokenizer decodes, the EOS ids and max_model_len; no weights are read. The profile gives the step times
     and the KV capacity."""
     profile = get_profile(settings.simulate)
-    path = model_dirs.resolve_model_dir(settings.model)
+    model_dir = model_dirs.resolve_model_dir(settings.model, weights=False)
+    path = model_dir.path
     config = model_dirs.read_config(path)
     vocab = model_dirs.vocab_size(config)
     if vocab is None or vocab < 2:
         raise model_dirs.ModelDirError(f"{path}/config.json gives no vocab_size for the simulated worker's tokens")
-    model_id = model_dirs.served_model_name(path, settings.served_model_name)
+    model_id = model_dir.served_name(settings.served_model_name)
     max_len = model_dirs.max_model_len(config, settings.max_model_len)
     return simulated_worker(profile, settings, worker_id, model_id, max_len, vocab, model_dirs.eos_token_ids(path))

@@ -67,11 +67,12 @@ class Worker:
             return simulated.load(settings, worker_id)
         from gpu_worker.model_runner import ModelRunner
 
-        path = model_dirs.resolve_model_dir(settings.model)
+        model_dir = model_dirs.resolve_model_dir(settings.model)
+        path = model_dir.path
         runner = ModelRunner(settings, path, progress)
         return cls(runner, WorkerRegistration(
             worker_id=worker_id,
-            model_id=model_dirs.served_model_name(path, settings.served_model_name),
+            model_id=model_dir.served_name(settings.served_model_name),
             num_blocks=runner.cache.num_blocks,
             num_swap_blocks=runner.cache.num_swap_blocks,
             block_size=settings.block_size,

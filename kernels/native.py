@@ -96,7 +96,10 @@ def load() -> ctypes.CDLL | None:
         pass  # not built yet, or a read-only cache directory
     try:
         if not target.exists():
+            started = time.monotonic()
+            log.info("compiling the CPU kernels into %s (once for these sources, flags and CPU)", target)
             _build(compiler, target)
+            log.info("compiled the CPU kernels in %.1f s", time.monotonic() - started)
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.CalledProcessError) as e:  # a build failed, or another checkout removed it
         detail = getattr(e, "stderr", "") or e

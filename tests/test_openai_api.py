@@ -43,7 +43,7 @@ def test_up_without_redis_server_says_how_to_get_one(tiny_model_dir):
 
 def test_up_writes_the_tiny_model_on_first_use(tmp_path):
     dead_redis = f"redis://127.0.0.1:{free_port()}/0"
-    out = run_up("--redis-url", dead_redis, env={"XDG_CACHE_HOME": str(tmp_path)})
+    out = run_up("--model", "tiny", "--redis-url", dead_redis, env={"XDG_CACHE_HOME": str(tmp_path)})
     assert out.returncode == 1 and f"no Redis answers at {dead_redis}" in out.stderr
     assert (tmp_path / "pagedserve" / "pagedserve-tiny-llama" / "config.json").is_file()
     assert "writing the built-in tiny model" in out.stderr

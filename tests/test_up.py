@@ -18,17 +18,14 @@ import signal
 import socket
 import stat
 import subprocess
-import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import openai
 import pytest
 import redis
 from redis_harness import free_port
-from up_harness import UpProcess, run_up
+from up_harness import FaultLoad, Phase, UpProcess, health, run_phase, run_up, settle
 
 from shared.keys import Keys
 from shared.sampling import SamplingParams
@@ -40,18 +37,9 @@ WORKERS = ("worker-0", "worker-1")
 STREAMS = 12
 MAX_TOKENS = 192  # a phase lasts long enough for the fault to land mid-stream (at 64 one ended within 0.4 s)
 RECOVERY_S = 10.0
+LOAD = FaultLoad("tiny", MAX_TOKENS, KEY, WORKERS)
 # The services and the oracle engine share these, so that both hold the same KV cache.
 STACK_SETTINGS = dict(dtype="float32", kv_cache_bytes=16 << 20, swap_space_bytes=16 << 20)
-
-
-def health(url: str) -> tuple[int | None, dict]:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=5) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-    except (urllib.error.URLError, OSError):
-        return None, {}
 
 
 def live_heartbeats(redis_url: str) -> list[str]:
@@ -145,84 +133,9 @@ def test_the_try_hint_runs_as_printed_with_the_api_key_in_the_environment(up):
 # ---- faults ------------------------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class Streamed:
-    text: str = ""
-    chunks: int = 0
-    finish_reason: str | None = None
-    completion_tokens: int | None = None
-    error: str | None = None
-
-
-@dataclass(slots=True)
-class Phase:
-    fault: str
-    prompts: list[list[int]]
-    streams: list[Streamed] = field(default_factory=list)
-    recovery_s: float = 0.0  # from the kill to the first new request served
-
-
 def prompts(seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(5, 512) for _ in range(rng.randrange(8, 40))] for _ in range(STREAMS)]
-
-
-async def stream(client: openai.AsyncOpenAI, prompt: list[int], out: Streamed) -> None:
-    try:
-        response = await client.completions.create(
-            model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-        async for chunk in response:
-            for choice in chunk.choices:
-                out.text += choice.text
-                out.chunks += 1
-                out.finish_reason = choice.finish_reason or out.finish_reason
-            if chunk.usage is not None:
-                out.completion_tokens = chunk.usage.completion_tokens
-    except Exception as e:  # noqa: BLE001 - a connection cut mid-stream raises the HTTP library's own error
-        out.error = f"{type(e).__name__}: {e}"
-
-
-async def first_served(client: openai.AsyncOpenAI) -> None:
-    """Return once a new request is answered in full, trying again while the stack is recovering."""
-    while True:
-        try:
-            response = await client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=2, temperature=0,
-                                                       timeout=30)
-            if response.usage.completion_tokens == 2:
-                return
-        except openai.APIError:
-            await asyncio.sleep(0.1)
-
-
-async def run_phase(up: UpProcess, phase: Phase) -> None:
-    """Stream the phase's prompts; once each stream has begun and none has ended, SIGKILL the child; time the
-    first new request served after it; wait for every stream to end."""
-    client = openai.AsyncOpenAI(base_url=up.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-    try:
-        phase.streams = [Streamed() for _ in phase.prompts]
-        tasks = [asyncio.create_task(stream(client, p, s)) for p, s in zip(phase.prompts, phase.streams)]
-        async def begun() -> None:
-            while not all(s.chunks >= 2 for s in phase.streams) and not any(t.done() for t in tasks):
-                await asyncio.sleep(0.02)
-        await asyncio.wait_for(begun(), 120)
-        assert not any(t.done() for t in tasks), f"the fault must land mid-stream: {phase.streams}"
-        os.kill(up.pids()[phase.fault], signal.SIGKILL)
-        killed = time.monotonic()
-        await asyncio.wait_for(first_served(client), 60)
-        phase.recovery_s = time.monotonic() - killed
-        await asyncio.wait_for(asyncio.gather(*tasks), 180)
-    finally:
-        await client.close()
-
-
-def settle(up: UpProcess, killed: str, old_pid: int) -> None:
-    """Wait until the killed child runs again and both workers are live, so that phases do not overlap."""
-    deadline = time.monotonic() + 120
-    while not (up.pids()[killed] != old_pid and health(up.url)[1].get("workers") == list(WORKERS)):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the stack did not settle after {killed}'s restart:\n{up.log()[-3000:]}")
-        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -249,8 +162,8 @@ def test_each_child_killed_mid_stream_is_restarted_and_no_stream_loses_or_repeat
     phases = [Phase(fault, prompts(seed)) for seed, fault in enumerate(FAULTS)]
     for phase in phases:
         old_pid = up.pids()[phase.fault]
-        asyncio.run(run_phase(up, phase))
-        settle(up, phase.fault, old_pid)
+        asyncio.run(run_phase(up, LOAD, phase))
+        settle(up, LOAD, phase.fault, old_pid)
     log = up.log()
     print("\nrecovery after SIGKILL (first new request served): "
           + ", ".join(f"{p.fault} {p.recovery_s:.1f} s" for p in phases))
@@ -272,7 +185,7 @@ def test_each_child_killed_mid_stream_is_restarted_and_no_stream_loses_or_repeat
 def test_a_worker_that_exits_cleanly_is_restarted_as_compose_does(up):
     old = up.pids()["worker-0"]
     os.kill(old, signal.SIGTERM)
-    settle(up, "worker-0", old)
+    settle(up, LOAD, "worker-0", old)
     assert "worker-0 exited (exit code 0); restarting it" in up.log()
     response = openai.OpenAI(base_url=up.url + "/v1", api_key=KEY, max_retries=0).completions.create(
         model="tiny", prompt="Hello", max_tokens=3, temperature=0)
