@@ -17,15 +17,15 @@ from aiohttp import web
 from aiohttp.web_log import AccessLogger
 from multidict import CIMultiDict
 
-from gateway import params
+from gateway import calls, request_model
 from gateway.admission import Admission
 from gateway.bus import Bus
 from gateway.dashboard import PAGE, STATIC_PREFIX, add_dashboard
+from gateway.calls import GenerateCall
 from gateway.errors import ApiError, bad_request
 from gateway.formats import ChatFormat, CompletionFormat
 from gateway.metrics import CONTENT_TYPE
 from gateway.model import ServedModel
-from gateway.params import GenerateCall
 from gateway.serving import BUS_ERRORS, REQUEST_ID, CallLog, Gateway, Generation
 from shared.settings import Settings
 
@@ -146,7 +146,13 @@ async def auth_middleware(request: web.Request, handler: Callable) -> web.Stream
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:
-    """The body, decompressed as its Content-Encoding says, at most `limit` bytes either way."""
+    """The JSON body, decompressed as its Content-Encoding says, at most `limit` bytes either way. Any other
+    Content-Type is a 415 before the body is read: a browser sends form and text bodies cross-origin without asking
+    first, so a page a user opens must not be able to make a server on their loopback generate."""
+    if request.content_type != "application/json" or (request.charset or "utf-8").lower() != "utf-8":
+        given = request.headers.get("Content-Type") or "none"
+        raise ApiError(415, f"the request body must be JSON, sent with `Content-Type: application/json` (UTF-8); "
+                       f"got {given}", code="unsupported_media_type")
     if request.content_length is not None and request.content_length > limit:
         raise too_large(limit, request.content_length)
     encoding = request.headers.get("Content-Encoding", "").strip().lower()
@@ -169,24 +175,41 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     return body
 
 
-async def _generate(request: web.Request, parse: Callable[[Any, ServedModel], GenerateCall],
+def completion_call(body: Any, model: ServedModel) -> GenerateCall:
+    return calls.completion_call(request_model.parse_completion(body, model.name, model.vocab_size), model)
+
+
+def chat_call(body: Any, model: ServedModel) -> GenerateCall:
+    return calls.chat_call(request_model.parse_chat(body, model.name, model.vocab_size), model)
+
+
+def tokenize_answer(body: Any, model: ServedModel) -> dict:
+    return calls.tokenize(request_model.parse_tokenize(body, model.name), model)
+
+
+def detokenize_answer(body: Any, model: ServedModel) -> dict:
+    return calls.detokenize(request_model.parse_detokenize(body, model.name, model.vocab_size), model)
+
+
+async def _generate(request: web.Request, plan: Callable[[Any, ServedModel], GenerateCall],
                     fmt: type[CompletionFormat] | type[ChatFormat]) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     received = time.time()
     raw = await read_body(request, gw.settings.max_body_bytes)
-    call = await request.app[TOKENIZING].run(raw, parse, gw.model)
+    call = await request.app[TOKENIZING].run(raw, plan, gw.model)
+    if call.user is not None:
+        call_log(request).info("for user %r", call.user)
     await gw.admit(call)
-    generation = Generation(gw, call, fmt(gw.model.tokenizer, call.want_logprobs), received,
-                            request_id(request))
+    generation = Generation(gw, call, fmt(gw.model.tokenizer, call), received, request_id(request))
     return await (generation.stream(request) if call.stream else generation.respond())
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, params.parse_completion, CompletionFormat)
+    return await _generate(request, completion_call, CompletionFormat)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, params.parse_chat, ChatFormat)
+    return await _generate(request, chat_call, ChatFormat)
 
 
 async def _tokenizer_call(request: web.Request, handle: Callable[[Any, ServedModel], dict]) -> web.Response:
@@ -196,11 +219,11 @@ async def _tokenizer_call(request: web.Request, handle: Callable[[Any, ServedMod
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    return await _tokenizer_call(request, params.tokenize)
+    return await _tokenizer_call(request, tokenize_answer)
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    return await _tokenizer_call(request, params.detokenize)
+    return await _tokenizer_call(request, detokenize_answer)
 
 
 async def tokenizer_info(request: web.Request) -> web.Response:
@@ -208,11 +231,23 @@ async def tokenizer_info(request: web.Request) -> web.Response:
     return web.json_response(gw.model.tokenizer.info(gw.model.max_model_len))
 
 
+def model_card(gw: Gateway) -> dict[str, Any]:
+    return {"id": gw.model.name, "object": "model", "created": int(gw.started), "owned_by": "pagedserve",
+            "root": gw.model.name, "max_model_len": gw.model.max_model_len}
+
+
 async def models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [model_card(request.app[GATEWAY])]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """OpenAI's retrieve-model route: the served model's card, or a 404 naming the model asked for."""
     gw = request.app[GATEWAY]
-    return web.json_response({"object": "list", "data": [{
-        "id": gw.model.name, "object": "model", "created": int(gw.started), "owned_by": "pagedserve",
-        "root": gw.model.name, "max_model_len": gw.model.max_model_len}]})
+    name = request.match_info["model"]
+    if name != gw.model.name:
+        raise ApiError(404, f"the model `{name}` does not exist; this server serves `{gw.model.name}`",
+                       param="model", code="model_not_found")
+    return web.json_response(model_card(gw))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -263,6 +298,7 @@ def build_app(gw: Gateway) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", model)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/tokenizer_info", tokenizer_info)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from gateway.calls import GenerateCall
 from gateway.generation import TokenLogprob
 from gateway.model import Tokenizer
 from shared.protocol import PromptLogprob
@@ -28,11 +29,12 @@ def _finite(logprob: float | None) -> float | None:
     return logprob if math.isfinite(logprob) and logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
-def prompt_records(token_ids: list[int], logprobs: list[PromptLogprob], offsets: list[int],
+def prompt_records(token_ids: list[int], logprobs: list[PromptLogprob], offsets: tuple[int, ...],
                    top: int) -> list[TokenLogprob]:
     """The prompt's tokens as logprob records (each with its `top` likeliest); the first token has none."""
-    return [TokenLogprob(token_ids[0], None, [], offsets[0])] + [
-        TokenLogprob(t, p.logprob, p.top[:top], offset) for t, p, offset in zip(token_ids[1:], logprobs, offsets[1:])]
+    return [TokenLogprob(token_ids[0], None, [], offsets[0], generated=False)] + [
+        TokenLogprob(t, p.logprob, p.top[:top], offset, generated=False)
+        for t, p, offset in zip(token_ids[1:], logprobs, offsets[1:])]
 
 
 def vllm_prompt_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[PromptLogprob],
@@ -51,21 +53,36 @@ def vllm_prompt_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: l
     return out
 
 
-class CompletionFormat:
-    """`/v1/completions`: choices carry `text`; logprobs in the legacy tokens/token_logprobs layout."""
+class Format:
+    """What the two shapes share: how logprob tokens read, and which extra keys a call asked for."""
+    id_prefix = object = chunk_object = ""
+
+    def __init__(self, tokenizer: Tokenizer, call: GenerateCall) -> None:
+        self.tokenizer = tokenizer
+        self.want_logprobs = call.logprobs is not None
+        self.token_ids = call.return_token_ids
+        # vLLM's return_tokens_as_token_ids: a logprob token reads `token_id:<id>`, whatever its text
+        self.token_text = (lambda t: f"token_id:{t}") if call.tokens_as_ids else tokenizer.token_text
+        # Chunks that differ in their text alone, so that a template can stand for them (see Generation)
+        self.plain_chunks = not (self.want_logprobs or call.return_token_ids or call.continuous_usage)
+
+    def _ids(self, out: dict[str, Any], records: list[TokenLogprob]) -> dict[str, Any]:
+        if self.token_ids:
+            out["token_ids"] = [r.token_id for r in records]
+        return out
+
+
+class CompletionFormat(Format):
+    """`/v1/completions`: choices carry `text`; logprobs in the legacy tokens/token_logprobs layout; vLLM's
+    `prompt_logprobs` and `prompt_token_ids` on each choice (its prompt's)."""
     id_prefix = "cmpl"
     object = "text_completion"
     chunk_object = "text_completion"
-    prompt_logprobs_on_choices = True  # where vLLM puts `prompt_logprobs`: each choice (its prompt's)
-
-    def __init__(self, tokenizer: Tokenizer, logprobs: bool) -> None:
-        self.tokenizer = tokenizer
-        self.want_logprobs = logprobs
 
     def logprobs(self, records: list[TokenLogprob]) -> dict[str, Any] | None:
         if not self.want_logprobs:
             return None
-        text = self.tokenizer.token_text
+        text = self.token_text
         tops: list[dict[str, float | None] | None] = []
         for r in records:
             if r.logprob is None:
@@ -83,34 +100,52 @@ class CompletionFormat:
 
     def choice(self, index: int, text: str, records: list[TokenLogprob], finish_reason: str | None,
                stop_reason: str | None) -> dict[str, Any]:
-        return {"index": index, "text": text, "logprobs": self.logprobs(records), "finish_reason": finish_reason,
-                "stop_reason": stop_reason}
+        return self._ids({"index": index, "text": text, "logprobs": self.logprobs(records),
+                          "finish_reason": finish_reason, "stop_reason": stop_reason, "prompt_logprobs": None},
+                         [r for r in records if r.generated])
 
     def chunk_choice(self, index: int, text: str, records: list[TokenLogprob], finish_reason: str | None,
                      stop_reason: str | None) -> dict[str, Any]:
-        return self.choice(index, text, records, finish_reason, stop_reason)
+        return self._ids({"index": index, "text": text, "logprobs": self.logprobs(records),
+                          "finish_reason": finish_reason, "stop_reason": stop_reason},
+                         [r for r in records if r.generated])
 
-    def opening(self, index: int, echo_text: str | None, records: list[TokenLogprob]) -> dict[str, Any] | None:
-        """The chunk choice sent before a choice's first token: the echoed prompt (and its logprobs), if asked."""
-        if echo_text is None:
-            return None
-        return self.choice(index, echo_text, records, None, None)
+    def openings(self, index: int, echo_text: str | None, records: list[TokenLogprob]) -> list[dict[str, Any]]:
+        """The chunk choices sent before a choice's first token: the echoed prompt (and its logprobs), if asked."""
+        return [] if echo_text is None else [self.chunk_choice(index, echo_text, records, None, None)]
+
+    def first_chunk(self, chunk: dict[str, Any], prompt_ids: list[int], stream_start: bool) -> None:
+        """vLLM puts the prompt's ids on the first chunk of each choice."""
+        if self.token_ids:
+            chunk["choices"][0]["prompt_token_ids"] = prompt_ids
+
+    def answer(self, body: dict[str, Any], prompt_ids: list[list[int]], per_prompt: list[list | None] | None,
+               prompt_of: list[int]) -> None:
+        """Put the per-prompt keys on each choice of a whole answer (`prompt_of[i]`: choice i's prompt)."""
+        for i, choice in enumerate(body["choices"]):
+            if per_prompt is not None:
+                choice["prompt_logprobs"] = per_prompt[prompt_of[i]]
+            if self.token_ids:
+                choice["prompt_token_ids"] = prompt_ids[prompt_of[i]]
 
 
-class ChatFormat:
-    """`/v1/chat/completions`: choices carry a message (or a delta); logprobs as a `content` list."""
+class ChatFormat(Format):
+    """`/v1/chat/completions`: choices carry a message (or a delta); logprobs as a `content` list; vLLM's
+    `prompt_logprobs` and `prompt_token_ids` on the response (a chat has one prompt)."""
     id_prefix = "chatcmpl"
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
-    prompt_logprobs_on_choices = False  # ... or the response (a chat has one prompt)
 
-    def __init__(self, tokenizer: Tokenizer, logprobs: bool) -> None:
-        self.tokenizer = tokenizer
-        self.want_logprobs = logprobs
+    def __init__(self, tokenizer: Tokenizer, call: GenerateCall) -> None:
+        super().__init__(tokenizer, call)
+        self.role = call.response_role
+        self.prompt_text = call.prompt_text
+        self.tokens_as_ids = call.tokens_as_ids
 
     def _entry(self, token_id: int, logprob: float | None) -> dict[str, Any]:
-        return {"token": self.tokenizer.token_text(token_id), "logprob": _finite(logprob),
-                "bytes": list(self.tokenizer.token_bytes(token_id))}
+        text = self.token_text(token_id)
+        raw = text.encode() if self.tokens_as_ids else self.tokenizer.token_bytes(token_id)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(raw)}
 
     def logprobs(self, records: list[TokenLogprob]) -> dict[str, Any] | None:
         if not self.want_logprobs:
@@ -120,16 +155,35 @@ class ChatFormat:
 
     def choice(self, index: int, text: str, records: list[TokenLogprob], finish_reason: str | None,
                stop_reason: str | None) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": self.logprobs(records), "finish_reason": finish_reason, "stop_reason": stop_reason}
+        return self._ids({"index": index, "message": {"role": self.role, "content": text},
+                          "logprobs": self.logprobs(records), "finish_reason": finish_reason,
+                          "stop_reason": stop_reason}, records)
 
     def chunk_choice(self, index: int, text: str, records: list[TokenLogprob], finish_reason: str | None,
                      stop_reason: str | None) -> dict[str, Any]:
         # Every token gets its chunk, with empty content while its text is an unfinished character.
-        return {"index": index, "delta": {"content": text}, "logprobs": self.logprobs(records),
-                "finish_reason": finish_reason, "stop_reason": stop_reason}
+        return self._ids({"index": index, "delta": {"content": text}, "logprobs": self.logprobs(records),
+                          "finish_reason": finish_reason, "stop_reason": stop_reason}, records)
 
-    def opening(self, index: int, echo_text: str | None, records: list[TokenLogprob]) -> dict[str, Any] | None:
-        """The role delta OpenAI sends first for each choice."""
-        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                "finish_reason": None}
+    def openings(self, index: int, echo_text: str | None, records: list[TokenLogprob]) -> list[dict[str, Any]]:
+        """The role delta OpenAI sends first for each choice, then (vLLM's echo) the echoed message's content."""
+        role = {"index": index, "delta": {"role": self.role, "content": ""}, "logprobs": None, "finish_reason": None}
+        echo = {"index": index, "delta": {"content": echo_text}, "logprobs": None, "finish_reason": None}
+        return [role, echo] if echo_text else [role]
+
+    def first_chunk(self, chunk: dict[str, Any], prompt_ids: list[int], stream_start: bool) -> None:
+        """vLLM puts the prompt's ids and text on the stream's first chunk."""
+        if not stream_start:
+            return
+        if self.token_ids:
+            chunk["prompt_token_ids"] = prompt_ids
+        if self.prompt_text is not None:
+            chunk["prompt_text"] = self.prompt_text
+
+    def answer(self, body: dict[str, Any], prompt_ids: list[list[int]], per_prompt: list[list | None] | None,
+               prompt_of: list[int]) -> None:
+        body["prompt_logprobs"] = per_prompt[0] if per_prompt is not None else None
+        if self.token_ids:
+            body["prompt_token_ids"] = prompt_ids[0]
+        if self.prompt_text is not None:
+            body["prompt_text"] = self.prompt_text

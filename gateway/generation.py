@@ -29,6 +29,7 @@ class TokenLogprob:
     logprob: float | None  # None: the first prompt token, which has none
     top: list[tuple[int, float]]
     text_offset: int  # where this token's text starts in the sample's detokenized text
+    generated: bool = True  # else a prompt token's (an echo's)
 
 
 @dataclass(slots=True)
@@ -56,13 +57,14 @@ class Sample:
 
 class RequestTracker:
     def __init__(self, rid: str, n: int, max_tokens: int, prompt_ids: list[int], decode: Callable[[list[int]], str],
-                 stops: list[str], *, appended_text: Callable[[int], str | None] | None = None,
+                 stops: tuple[str, ...], *, include_stop: bool = False,
+                 appended_text: Callable[[int], str | None] | None = None,
                  prompt_logprobs: bool = False, hide_output: bool = False,
                  logger: logging.Logger | logging.LoggerAdapter = log) -> None:
         self.rid = rid
         self.fold = OutputFold(n, max_tokens)
         self.samples = [Sample(IncrementalDetokenizer.after_prompt(decode, prompt_ids, appended_text),
-                               StopStrings(list(stops))) for _ in range(n)]
+                               StopStrings(list(stops), include_stop)) for _ in range(n)]
         self.running = n  # samples not finished yet
         self.prompt_len = len(prompt_ids)
         self.want_prompt_logprobs = prompt_logprobs

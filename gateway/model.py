@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.errors import bad_request
+from gateway.request_model import ChatTemplate
 from shared.model_dir import max_model_len, read_config, resolve_model_dir, vocab_size
 from shared.settings import Settings
 
@@ -140,9 +141,8 @@ class Tokenizer:
         return {"tokenizer_class": self.tokenizer_class, **tokens, "chat_template": self.chat_template,
                 "model_max_length": max_model_len, "vocab_size": self.vocab_size}
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                    add_special_tokens: bool = False) -> list[int]:
-        """The chat template's token ids; 400 when the model has no template or it rejects the messages."""
+    def render_chat(self, messages: list[dict[str, Any]], template: ChatTemplate = ChatTemplate()) -> ChatPrompt:
+        """The chat template's text and token ids; 400 when the model has no template or it rejects the messages."""
         if not self.chat_template:
             raise bad_request("this model has no chat template; use /v1/completions with a plain prompt",
                               param="messages", code="no_chat_template")
@@ -151,11 +151,20 @@ class Tokenizer:
         self.warm_up()
         try:
             rendered, _ = self._render([messages], chat_template=self.chat_template,
-                                       add_generation_prompt=add_generation_prompt, **self.special_tokens)
-        except (TemplateError, ValueError, TypeError, KeyError) as e:
+                                       add_generation_prompt=template.add_generation_prompt,
+                                       continue_final_message=template.continue_final_message,
+                                       **self.special_tokens | dict(template.kwargs))
+        except (TemplateError, ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
             raise bad_request(f"the chat template rejected the messages: {e}", param="messages") from None
         # The template already writes any BOS token, so by default no special tokens are added again.
-        return self.encode(rendered[0], add_special_tokens)
+        return ChatPrompt(rendered[0], self.encode(rendered[0], template.add_special_tokens))
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """Chat messages as the model reads them: the template's text, and its token ids."""
+    text: str
+    token_ids: list[int]
 
 
 def _token_content(value: Any) -> str:

@@ -19,11 +19,11 @@ from gateway import sse
 from gateway.admission import Admission
 from gateway.bus import Bus
 from gateway.errors import ApiError
-from gateway.formats import ChatFormat, CompletionFormat, prompt_records, usage, vllm_prompt_logprobs
+from gateway.calls import GenerateCall
+from gateway.formats import Format, prompt_records, usage, vllm_prompt_logprobs
 from gateway.generation import Delta, RequestTracker, TokenLogprob
 from gateway.metrics import Metrics
 from gateway.model import ServedModel
-from gateway.params import GenerateCall
 from shared.protocol import REJECTED, UNAVAILABLE, Assignment, Request, TokenOutput
 from shared.settings import Settings
 
@@ -94,8 +94,7 @@ class Gateway:
 class Generation:
     """One API call: its prompts become bus requests (`{id}-{i}`), their samples the response's choices."""
 
-    def __init__(self, gw: Gateway, call: GenerateCall, fmt: CompletionFormat | ChatFormat, received: float,
-                 request_id: str) -> None:
+    def __init__(self, gw: Gateway, call: GenerateCall, fmt: Format, received: float, request_id: str) -> None:
         self.gw = gw
         self.call = call
         self.fmt = fmt
@@ -105,9 +104,11 @@ class Generation:
         self.id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(received)
         self.text_chunks: dict[int, sse.TextEvent | None] = {}  # per choice, see _token_chunk
+        self.generated: dict[int, int] = {}  # per choice streamed, its tokens so far
         decode = functools.partial(gw.model.tokenizer.decode, skip_special_tokens=call.skip_special_tokens)
         self.trackers = [RequestTracker(f"{self.id}-{i}", call.params.n, call.params.max_tokens, p.token_ids, decode,
-                                        call.stop, appended_text=gw.model.tokenizer.appended_text,
+                                        call.stop, include_stop=call.include_stop_str,
+                                        appended_text=gw.model.tokenizer.appended_text,
                                         prompt_logprobs=call.params.prompt_logprobs is not None,
                                         hide_output=call.hide_output, logger=self.log)
                          for i, p in enumerate(call.prompts)]
@@ -199,17 +200,17 @@ class Generation:
             reason = "stop string" if len(finished) == len(self.trackers) else "client gone or call failed"
             self.gw.spawn(self.gw.abort(aborts, reason, self.log))
 
-    def _prefix(self, choice: int) -> tuple[str, list[TokenLogprob]]:
-        """What a choice's text and logprobs start with: with `echo`, the prompt and (with logprobs) its
-        tokens' logprobs; the prompt's tracker has them once its first token arrived."""
-        if not self.call.echo:
+    def _prefix(self, sample: int) -> tuple[str, list[TokenLogprob]]:
+        """What a sample's text and logprobs start with: with `echo`, its prompt's echo and (completions, with
+        logprobs) its prompt tokens' logprobs; the prompt's tracker has them once its first token arrived."""
+        if self.call.echo is None:
             return "", []
-        i = choice // self.call.params.n
+        i = sample // self.call.params.n
         prompt, tracker = self.call.prompts[i], self.trackers[i]
         if not self.call.echo_logprobs or tracker.prompt_logprobs is None:
-            return prompt.text, []
-        return prompt.text, prompt_records(prompt.token_ids, tracker.prompt_logprobs, prompt.text_offsets or [],
-                                           self.call.params.logprobs or 0)
+            return self.call.echo[i], []
+        return self.call.echo[i], prompt_records(prompt.token_ids, tracker.prompt_logprobs, prompt.text_offsets or (),
+                                                 self.call.logprobs or 0)
 
     def _choice_order(self) -> list[int]:
         """The samples that become choices, in order: per prompt, its n samples; with best_of, the n of highest
@@ -245,7 +246,8 @@ class Generation:
         except RequestFailed as e:
             raise _failure(e) from None
         choices = []
-        for i in self._choice_order():
+        order = self._choice_order()
+        for i in order:
             text, prefix = self._prefix(i)
             choice = self.fmt.choice(len(choices), text + texts[i], prefix + _shifted(records[i], len(text)), *ends[i])
             if self.call.ranked:
@@ -253,33 +255,47 @@ class Generation:
             choices.append(choice)
         body = {"id": self.id, "object": self.fmt.object, "created": self.created, "model": self.call.model,
                 "choices": choices, "usage": self.usage()}
-        if self.call.prompt_logprobs is not None:
-            per_prompt = [self._vllm_prompt_logprobs(i) for i in range(len(self.call.prompts))]
-            if self.fmt.prompt_logprobs_on_choices:
-                for i, choice in enumerate(choices):
-                    choice["prompt_logprobs"] = per_prompt[i // self.call.choices_per_prompt]
-            else:
-                body["prompt_logprobs"] = per_prompt[0]
+        per_prompt = None if self.call.prompt_logprobs is None else [
+            self._vllm_prompt_logprobs(i) for i in range(len(self.call.prompts))]
+        self.fmt.answer(body, [p.token_ids for p in self.call.prompts], per_prompt,
+                        [i // self.call.params.n for i in order])
         return web.json_response(body)
 
     def _chunk_body(self, choices: list[dict]) -> dict:
         return {"id": self.id, "object": self.fmt.chunk_object, "created": self.created, "model": self.call.model,
                 "choices": choices}
 
-    def _chunk(self, choices: list[dict]) -> bytes:
-        return sse.event(self._chunk_body(choices))
+    def _chunk(self, sample: int, choice: dict, tokens: int) -> dict:
+        """One chunk of one sample's choice; with continuous_usage_stats, with that choice's usage: `tokens` so far."""
+        body = self._chunk_body([choice])
+        if self.call.continuous_usage:
+            prompt = self.call.prompts[sample // self.call.params.n]
+            body["usage"] = usage(len(prompt.token_ids), tokens, 0)
+        return body
 
-    def _token_chunk(self, index: int, delta: Delta, echoed: int) -> bytes:
-        """A token's chunk. Without logprobs, a choice's chunks up to its last differ in their text only: those are
-        filled into the choice's template."""
-        if delta.finish_reason is None and not self.fmt.want_logprobs:
-            if index not in self.text_chunks:
-                self.text_chunks[index] = sse.TextEvent.around(
-                    self._chunk_body([self.fmt.chunk_choice(index, sse.TEXT, [], None, None)]))
-            if (template := self.text_chunks[index]) is not None:
+    def _token_chunk(self, sample: int, delta: Delta, echoed: int) -> bytes:
+        """A token's chunk. Without logprobs (or other per-token keys), a choice's chunks up to its last differ in
+        their text only: those are filled into the choice's template."""
+        if delta.finish_reason is None and self.fmt.plain_chunks:
+            if sample not in self.text_chunks:
+                self.text_chunks[sample] = sse.TextEvent.around(
+                    self._chunk_body([self.fmt.chunk_choice(sample, sse.TEXT, [], None, None)]))
+            if (template := self.text_chunks[sample]) is not None:
                 return template.event(delta.text)
-        return self._chunk([self.fmt.chunk_choice(index, delta.text, _shifted(delta.logprobs, echoed),
-                                                  delta.finish_reason, delta.stop_reason)])
+        return sse.event(self._chunk(sample, self.fmt.chunk_choice(
+            sample, delta.text, _shifted(delta.logprobs, echoed), delta.finish_reason, delta.stop_reason),
+            self.generated[sample]))
+
+    def _opening(self, sample: int, echo: str | None, prefix: list[TokenLogprob], delta: Delta,
+                 stream_start: bool) -> list[bytes]:
+        """A choice's first chunks: its openings (chat's role, an echo), then its first token's; the first of them
+        carries what vLLM puts on a choice's (or the stream's) first chunk."""
+        chunks = [self._chunk(sample, c, 0) for c in self.fmt.openings(sample, echo, prefix)]
+        chunks.append(self._chunk(sample, self.fmt.chunk_choice(
+            sample, delta.text, _shifted(delta.logprobs, len(echo or "")), delta.finish_reason, delta.stop_reason),
+            self.generated[sample]))
+        self.fmt.first_chunk(chunks[0], self.call.prompts[sample // self.call.params.n].token_ids, stream_start)
+        return [sse.event(c) for c in chunks]
 
     async def _open(self, request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers=sse.HEADERS | {REQUEST_ID: self.request_id})
@@ -297,15 +313,16 @@ class Generation:
                         # Headers go out with the first token, so a request rejected before any gets a plain 4xx.
                         response = await self._open(request)
                     for index, delta in batch:
+                        self.generated[index] = self.generated.get(index, 0) + sum(r.generated for r in delta.logprobs)
                         if index not in echoed:
                             text, prefix = self._prefix(index)
                             echoed[index] = len(text)
-                            opening = self.fmt.opening(index, text if self.call.echo else None, prefix)
-                            if opening is not None:
-                                events_ready.append(self._chunk([opening]))
-                        # One event per token, with empty text while its characters are unfinished or held back
-                        # by a stop string, so that clients see every token arrive.
-                        events_ready.append(self._token_chunk(index, delta, echoed[index]))
+                            events_ready += self._opening(index, text if self.call.echo is not None else None,
+                                                          prefix, delta, not echoed.keys() - {index})
+                        else:
+                            # One event per token, with empty text while its characters are unfinished or held
+                            # back by a stop string, so that clients see every token arrive.
+                            events_ready.append(self._token_chunk(index, delta, echoed[index]))
                     if self.queue.empty():
                         await _send(response, events_ready)
             if response is None:

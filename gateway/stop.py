@@ -13,6 +13,7 @@ class StopStrings:
     dropped.
     """
     stops: list[str]
+    include: bool = False  # the stop string matched stays in the text (vLLM's include_stop_str_in_output)
     pending: str = ""
     hold: int = field(init=False)
 
@@ -26,7 +27,8 @@ class StopStrings:
         self.pending += text
         hit = min(((i, s) for s in self.stops if (i := self.pending.find(s)) >= 0), default=None)
         if hit is not None:
-            out, self.pending = self.pending[:hit[0]], ""
+            end = hit[0] + len(hit[1]) if self.include else hit[0]
+            out, self.pending = self.pending[:end], ""
             return out, hit[1]
         cut = len(self.pending) - self._partial_match()
         out, self.pending = self.pending[:cut], self.pending[cut:]

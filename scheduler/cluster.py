@@ -339,7 +339,9 @@ def _misfit(rs: RequestState, ws: WorkerScheduler) -> str | None:
         return (f"the request has {tokens} tokens, which need {blocks} KV blocks of {reg.block_size} tokens, "
                 f"but worker {reg.worker_id} holds only {ws.kv.pool.num_usable} blocks")
     if reg.vocab_size:
-        bad = [t for t in rs.prompt if t >= reg.vocab_size]
+        params = rs.req.params
+        ids = (*rs.prompt, *params.stop_token_ids, *params.allowed_token_ids, *(t for t, _ in params.logit_bias))
+        bad = [t for t in ids if t >= reg.vocab_size]
         if bad:
             return (f"token id {bad[0]} is outside the vocabulary of the model on worker {reg.worker_id} "
                     f"(0..{reg.vocab_size - 1})")

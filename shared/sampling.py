@@ -8,6 +8,7 @@ MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_BEAM_WIDTH = 16
 MAX_SEED = 2**63 - 1
+MAX_LOGIT_BIAS = 100.0
 
 
 class ParamError(ValueError):
@@ -38,6 +39,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Added to the logits before penalties and sampling (OpenAI's logit_bias): (token id, bias in [-100, 100]).
+    logit_bias: list[tuple[int, float]] = field(default_factory=list)
+    allowed_token_ids: list[int] = field(default_factory=list)  # empty: every token; else sampling among these
     logprobs: int | None = None  # None = none; k = the chosen token's logprob plus the top k
     prompt_logprobs: int | None = None  # None = none; k = each prompt token's logprob plus the top k
     # Beam search (0 = sampling): this many beams, the n best returned, scored and stopped as transformers'
@@ -67,15 +71,23 @@ class SamplingParams:
         if not 0.0 < self.repetition_penalty <= 2.0:
             raise ParamError("repetition_penalty",
                              f"repetition_penalty must be in (0, 2]; got {self.repetition_penalty}")
-        for t in self.stop_token_ids:
-            if t < 0:
-                raise ParamError("stop_token_ids", f"stop_token_ids must be token ids of 0 or more; got {t}")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            for t in getattr(self, name):
+                if t < 0:
+                    raise ParamError(name, f"{name} must be token ids of 0 or more; got {t}")
+        for t, bias in self.logit_bias:
+            if t < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ParamError("logit_bias", f"logit_bias maps token ids to biases in [-{MAX_LOGIT_BIAS:g}, "
+                                               f"{MAX_LOGIT_BIAS:g}]; got {t}: {bias}")
         if self.logprobs is not None:
             _in_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
             _in_range("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         if self.beam_width:
             _in_range("beam_width", self.beam_width, self.n, MAX_BEAM_WIDTH)
+            if self.logit_bias or self.allowed_token_ids:
+                name = "logit_bias" if self.logit_bias else "allowed_token_ids"
+                raise ParamError(name, f"{name} does not apply to beam search")
             _in_range("length_penalty", self.length_penalty, -10.0, 10.0)
             if self.early_stopping not in (True, False, "never"):
                 raise ParamError("early_stopping", f"early_stopping must be true, false or \"never\"; "

@@ -1,6 +1,7 @@
 """The in-process engine (real scheduler core + real worker core) against transformers' generate."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -83,6 +84,46 @@ def test_a_sequence_gets_the_same_bits_alone_batched_chunked_or_recomputed(tiny_
         assert [s.token_ids for s in samples] == [s.token_ids for s in alone]
         assert [s.logprobs for s in samples] == [s.logprobs for s in alone]
     assert recompute.cluster.stats(0.0).preemptions > 0
+
+
+def hf_greedy_edited(model, prompt: list[int], bias: dict[int, float], allowed: list[int] | None = None) -> list[int]:
+    """transformers' greedy generate with `bias` added to its logits (and tokens outside `allowed` ruled out)."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Edit(LogitsProcessor):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            if allowed is not None:
+                kept = torch.full_like(scores, float("-inf"))
+                kept[:, allowed] = scores[:, allowed]
+                scores = kept
+            for token, value in bias.items():
+                scores[:, token] += value
+            return scores
+
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+                         logits_processor=LogitsProcessorList([Edit()]))
+    return out[0, len(prompt):].tolist()
+
+
+def test_logit_bias_and_allowed_tokens_steer_greedy_as_they_do_transformers_logits(tiny_model_dir, hf_model):
+    prompts = make_prompts(3, seed=31)
+    eng = engine(tiny_model_dir)
+    favourite = hf_greedy(hf_model, prompts[0])[0]
+    cases = [{17: 100.0}, {favourite: -100.0}, {17: 2.5, 40: -1.5, 300: 4.0}]
+    for bias in cases:
+        params = dataclasses.replace(GREEDY, logit_bias=sorted(bias.items()))
+        for prompt, completion in zip(prompts, eng.generate(prompts, params)):
+            assert completion.samples[0].token_ids == hf_greedy_edited(hf_model, prompt, bias), bias
+    forced = eng.generate(prompts, dataclasses.replace(GREEDY, logit_bias=[(17, 100.0)]))
+    assert all(c.samples[0].token_ids == [17] * NEW for c in forced), "+100 makes greedy choose it"
+    banned = eng.generate(prompts[:1], dataclasses.replace(GREEDY, logit_bias=[(favourite, -100.0)]))
+    assert favourite not in banned[0].samples[0].token_ids, "-100 bans it"
+    allowed = [5, 40, 41, 300]
+    only = eng.generate(prompts, dataclasses.replace(GREEDY, allowed_token_ids=allowed, logit_bias=[(41, 1.0)]))
+    for prompt, completion in zip(prompts, only):
+        assert set(completion.samples[0].token_ids) <= set(allowed)
+        assert completion.samples[0].token_ids == hf_greedy_edited(hf_model, prompt, {41: 1.0}, allowed)
 
 
 def test_prefix_hits_are_read_not_recomputed(tiny_model_dir, hf_model):

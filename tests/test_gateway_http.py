@@ -125,6 +125,8 @@ class LiveGateway:
     async def request(self, method: str, path: str, json_body: Any = None, content: bytes | None = None,
                       headers: dict[str, str] | None = None, timeout: float = 30) -> Reply:
         data = content if content is not None else None if json_body is None else json.dumps(json_body).encode()
+        if data is not None:  # as clients send JSON, unless a test says otherwise
+            headers = {"Content-Type": "application/json"} | (headers or {})
         async with self.session.request(method, self.url + path, data=data, headers=headers,
                                         timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             return Reply(resp.status, CIMultiDict(resp.headers), await resp.text())
@@ -263,11 +265,40 @@ INVALID = [
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream", "boolean"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options",
      "stream"),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1}}, 400, "logit_bias", "not supported"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"five": 1}}, 400, "logit_bias", "'five'"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999": 1}}, 400, "logit_bias",
+     "99999 in `logit_bias` is outside the vocabulary: its size is 512"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias", "[-100, 100]"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": "up"}}, 400, "logit_bias", "number"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1}, "use_beam_search": True}, 400, "logit_bias",
+     "beam search"),
+    ("/v1/completions", {"prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids", "1 to 1024"),
+    ("/v1/completions", {"prompt": "hi", "max_token": 5}, 400, "max_token", "not a field of this route"),
+    ("/v1/completions", {"prompt": "hi", "min_characters": 5}, 400, "min_characters", "neither OpenAI nor vLLM"),
+    ("/v1/completions", {"prompt": "hi", "guided_json": {"type": "object"}}, 400, "guided_json", "not supported"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "a+"}}, 400, "structured_outputs",
+     "not supported"),
+    ("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens", "-1 or at"),
+    ("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 4096}, 400, "truncate_prompt_tokens",
+     "greater than max_model_len, 2048"),
+    ("/v1/completions", {"prompt": "hi", "truncation_side": "middle"}, 400, "truncation_side", "middle"),
+    ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": {"include_obfuscation": True}}, 400,
+     "stream_options.include_obfuscation", "not supported"),
+    ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": {"usage": True}}, 400,
+     "stream_options.usage", "not a field"),
     ("/v1/completions", {"prompt": "hi", "min_tokens": 40, "max_tokens": 4}, 400, "min_tokens", "min_tokens"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", "non-empty"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "array"),
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages", "wizard"),
+    ("/v1/chat/completions", {"messages": [{"role": 7, "content": "x"}]}, 400, "messages", "role must be a"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "tool_calls": [{}]}]}, 400,
+     "messages", "messages[0].tool_calls is not supported"),
+    ("/v1/chat/completions", {"messages": HI, "continue_final_message": True}, 400, "continue_final_message",
+     "add_generation_prompt: false"),
+    ("/v1/chat/completions", {"messages": HI, "chat_template_kwargs": {"tokenize": True}}, 400,
+     "chat_template_kwargs", "tokenize"),
+    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_object"}}, 400, "response_format",
+     "not supported"),
+    ("/v1/chat/completions", {"messages": HI, "store": True}, 400, "store", "not stored"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "messages", "text only"),
     ("/v1/chat/completions", {"messages": HI, "max_completion_tokens": -3}, 400, "max_completion_tokens",
@@ -285,6 +316,8 @@ INVALID = [
     ("/tokenize", {"prompt": "\ud800"}, 400, "prompt", "surrogate"),
     ("/tokenize", {"model": "gpt-9", "prompt": "x"}, 404, "model", "gpt-9"),
     ("/tokenize", {"messages": "hi"}, 400, "messages", "array"),
+    ("/tokenize", {"prompt": "hi", "add_generation_prompt": False}, 400, "add_generation_prompt", "`messages`"),
+    ("/tokenize", {"messages": HI, "continue_final_message": True}, 400, "continue_final_message", "add_generation"),
     ("/detokenize", {"tokens": [1, 99999]}, 400, "tokens", "99999"),
     ("/detokenize", {"tokens": "1 2"}, 400, "tokens", "array"),
     ("/detokenize", b"[", 400, None, "not valid JSON"),
@@ -302,7 +335,7 @@ def test_invalid_requests_get_openai_errors_and_never_reach_the_bus(base, model,
         check_error(gw.post("/v1/completions", json={"prompt": prompt, "max_tokens": limit}), 400,
                     "max_tokens", f"maximum context length is {limit} tokens", f"{p + limit} tokens",
                     f"({p} in the prompt, {limit} in the completion)")
-        chat = model.tokenizer.render_chat(HI, True)
+        chat = model.tokenizer.render_chat(HI).token_ids
         check_error(gw.post("/v1/chat/completions", json={"messages": HI, "max_completion_tokens": limit}),
                     400, "max_completion_tokens", f"{limit} tokens", f"({len(chat)} in the messages, {limit} in")
         long = "The blocks " * (limit // 2)
@@ -476,7 +509,7 @@ def test_chat_whole_and_streamed_with_role_first_and_logprobs(base, model):
         streamed = gw.post("/v1/chat/completions", json=body | {"stream": True})
         req = gw.driver.requests[0]
     rendered = model.tokenizer.render_chat([{"role": "system", "content": "Be brief."},
-                                            {"role": "user", "content": "Capital?"}], True)
+                                            {"role": "user", "content": "Capital?"}]).token_ids
     assert req.prompt_token_ids == rendered
     assert req.params.max_tokens == model.max_model_len - len(rendered), "chat defaults to the room left"
     assert req.params.logprobs == 2
@@ -762,7 +795,7 @@ def test_tokenizer_endpoints_round_trip_text_with_the_models_own_tokenizer(base,
     assert plain["tokens"] == hf(text, add_special_tokens=False).input_ids
     assert plain["count"] == len(plain["tokens"]) and plain["max_model_len"] == model.max_model_len
     assert plain["token_strs"] == hf.convert_ids_to_tokens(plain["tokens"])
-    assert with_specials["tokens"] == hf(text).input_ids and "token_strs" not in with_specials
+    assert with_specials["tokens"] == hf(text).input_ids and with_specials["token_strs"] is None
     assert chat["tokens"] == hf(hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
                                 add_special_tokens=False).input_ids
     assert back == {"prompt": text}

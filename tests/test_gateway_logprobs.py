@@ -114,7 +114,7 @@ def test_vllm_prompt_logprobs_on_completion_choices_and_on_the_chat_response(bas
     for choice, text in zip(completion["choices"], [prompt, "Hi"]):
         assert choice["prompt_logprobs"] == vllm_shape(model.tokenizer.encode(text), 3)
         assert choice["logprobs"] is None
-    chat_ids = model.tokenizer.render_chat(HI, True)
+    chat_ids = model.tokenizer.render_chat(HI).token_ids
     assert chat["prompt_logprobs"] == vllm_shape(chat_ids, 0)
     assert all("prompt_logprobs" not in c for c in chat["choices"])
 

@@ -462,6 +462,41 @@ def test_beam_search_returns_transformers_best_beams_on_both_endpoints(stack, hf
         assert status == 400, (body, text)
 
 
+def test_logit_bias_through_the_client_steers_the_stack_as_it_does_transformers(stack, hf):
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    tok, model = hf
+    prompt_ids = tok(PROMPT).input_ids
+    bias = {"17": 3.0, "40": -2.0, "300": 4.5}
+
+    class Bias(LogitsProcessor):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            for token, value in bias.items():
+                scores[:, int(token)] += value
+            return scores
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=12, do_sample=False,
+                             pad_token_id=tok.pad_token_id, logits_processor=LogitsProcessorList([Bias()]))
+    expected = tok.decode(out[0, len(prompt_ids):], skip_special_tokens=True)
+    got = stack.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0,
+                                            logit_bias=bias)
+    assert got.choices[0].text == expected
+    forced = stack.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=5, temperature=0, logit_bias={"17": 100})
+    assert forced.choices[0].message.content == tok.decode([17] * 5)
+
+
+def test_the_client_retrieves_the_served_model_and_a_missing_one_is_404(stack):
+    client = stack.client()
+    served = client.models.retrieve("tiny")
+    assert (served.id, served.object, served.owned_by) == ("tiny", "model", "pagedserve")
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-9")
+    assert error_of(e.value)["code"] == "model_not_found" and "gpt-9" in error_of(e.value)["message"]
+
+
 def test_best_of_returns_the_most_likely_of_its_samples(stack):
     client = stack.client()
     body = dict(model="tiny", prompt=PROMPT, max_tokens=8, temperature=1.0, seed=11)

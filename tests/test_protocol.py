@@ -14,7 +14,8 @@ from shared.sampling import SamplingParams
 
 PARAMS = SamplingParams(n=2, max_tokens=32, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=7,
                         presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.1,
-                        stop_token_ids=[2, 5], ignore_eos=True, logprobs=3)
+                        stop_token_ids=[2, 5], ignore_eos=True, logprobs=3, logit_bias=[(4, -100.0), (9, 2.5)],
+                        allowed_token_ids=[4, 9, 11])
 
 EXAMPLES = [
     Request("r1", "tiny", [1, 2, 3], PARAMS, 1234.5),

@@ -28,11 +28,21 @@ from shared.sampling import ParamError, SamplingParams, finish_reason
     ("stop_token_ids", [1, -4], r"stop_token_ids must be token ids of 0 or more; got -4"),
     ("logprobs", 21, r"logprobs must be in \[0, 20\]"),
     ("logprobs", -1, r"logprobs must be in \[0, 20\]"),
+    ("logit_bias", [(5, 100.5)], r"logit_bias maps token ids to biases in \[-100, 100\]; got 5: 100.5"),
+    ("logit_bias", [(-1, 1.0)], r"logit_bias maps token ids"),
+    ("allowed_token_ids", [3, -2], r"allowed_token_ids must be token ids of 0 or more; got -2"),
 ])
 def test_rule(field, value, message):
     with pytest.raises(ParamError, match=message) as info:
         SamplingParams(**{field: value}).validate()
     assert info.value.param == field
+
+
+def test_beam_search_takes_no_bias_or_allowed_tokens():
+    for name, value in (("logit_bias", [(5, 1.0)]), ("allowed_token_ids", [5])):
+        with pytest.raises(ParamError, match=f"{name} does not apply to beam search") as info:
+            SamplingParams(beam_width=2, **{name: value}).validate()
+        assert info.value.param == name
 
 
 def test_defaults_and_edges_are_valid():

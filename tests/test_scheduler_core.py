@@ -235,6 +235,8 @@ def test_a_request_only_a_larger_worker_holds_goes_there():
     (Request("r", "model", [3, -1], SamplingParams(), 0.0), "token ids must be 0 or more"),
     (Request("r", "model", [3, 600], SamplingParams(), 0.0), "token id 600 is outside the vocabulary of the model "
                                                               "on worker w0 (0..511)"),
+    (Request("r", "model", [3], SamplingParams(logit_bias=[(700, 1.0)]), 0.0), "token id 700 is outside"),
+    (Request("r", "model", [3], SamplingParams(allowed_token_ids=[5, 800]), 0.0), "token id 800 is outside"),
 ])
 def test_bad_requests_fail_with_a_clear_message(req, message):
     """What decoding cannot check (it checks the parameters: tests/test_protocol.py)."""
