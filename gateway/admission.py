@@ -8,7 +8,6 @@ clients turned away together do not all come back together.
 """
 from __future__ import annotations
 
-import math
 import random
 from collections import deque
 from dataclasses import dataclass, field
@@ -46,10 +45,11 @@ class Admission:
         waiting = max(self.waiting, waiting_elsewhere)
         excess = waiting + count - self.max_waiting
         if excess > 0:
-            wait = self.retry_after(excess, now)
+            wait_ms = round(self.retry_after(excess, now) * 1000)
+            # whole seconds from the same milliseconds, rounded up: the two headers never disagree
             raise ApiError(429, f"{waiting} requests are waiting, the limit is {self.max_waiting}; retry in "
-                           f"{wait:.1f} s", type="rate_limit_error", code="too_many_requests",
-                           headers={"Retry-After": str(math.ceil(wait)), "retry-after-ms": str(round(wait * 1000))})
+                           f"{wait_ms / 1000:.1f} s", type="rate_limit_error", code="too_many_requests",
+                           headers={"Retry-After": str(-(-wait_ms // 1000)), "retry-after-ms": str(wait_ms)})
         self.waiting += count
 
     def first_token(self, now: float) -> None:

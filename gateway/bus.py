@@ -3,6 +3,7 @@ keep this gateway's heartbeat."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from dataclasses import dataclass
@@ -54,6 +55,9 @@ class Bus:
         self.followed_changed = asyncio.Event()
         self.router: asyncio.Task | None = None
         self.heartbeat: asyncio.Task | None = None
+        # Set by `close`: the loops end on it even where a Redis call they were in swallowed their cancellation
+        # (redis-py's does now and then), which would otherwise keep them, and the gateway's shutdown, going.
+        self.closed = asyncio.Event()
 
     def start(self) -> None:
         """Start this gateway's heartbeat: refreshed every heartbeat_ttl/4 until `close`. While the key exists,
@@ -61,6 +65,8 @@ class Bus:
         self.heartbeat = asyncio.get_running_loop().create_task(self._beat())
 
     async def close(self) -> None:
+        self.closed.set()
+        self.followed_changed.set()
         for task in (self.router, self.heartbeat):
             if task is not None:
                 task.cancel()
@@ -74,9 +80,11 @@ class Bus:
 
     async def _beat(self) -> None:
         ttl_ms = max(int(self.heartbeat_ttl * 1000), 1)
-        while True:  # waits out Redis restarts
-            await retry_async(lambda: self.client.set(self.alive_key, b"1", px=ttl_ms), "the gateway heartbeat")
-            await asyncio.sleep(self.heartbeat_ttl / 4)
+        while not self.closed.is_set():  # waits out Redis restarts
+            await retry_async(lambda: self.client.set(self.alive_key, b"1", px=ttl_ms), "the gateway heartbeat",
+                              self.closed)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.closed.wait(), self.heartbeat_ttl / 4)
 
     async def submit(self, requests: list[Request]) -> None:
         async with self.client.pipeline(transaction=True) as pipe:  # all of a call's prompts or none
@@ -119,7 +127,7 @@ class Bus:
 
     async def _route_forever(self) -> None:
         backoff = Backoff()
-        while True:
+        while not self.closed.is_set():
             if not self.followed:
                 self.followed_changed.clear()
                 await self.followed_changed.wait()

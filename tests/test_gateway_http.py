@@ -55,12 +55,13 @@ class Driver:
         self.script = script
         self.place = place
         self.requests: list[Request] = []
+        self.stopped = False  # as the gateway's loops, it ends on this even where redis-py swallows a cancellation
 
     async def run(self) -> None:
         client = aioredis.Redis.from_url(self.url, socket_timeout=10)
         cursor = "0-0"
         try:
-            while True:
+            while not self.stopped:
                 for _, entries in await client.xread({KEYS.requests: cursor}, block=1000) or ():
                     for entry_id, fields in entries:
                         cursor = entry_id
@@ -114,7 +115,9 @@ class LiveGateway:
     async def _stop(self) -> None:
         await self.session.close()
         if self.driver_task:
+            self.driver.stopped = True
             self.driver_task.cancel()
+            await asyncio.wait([self.driver_task], timeout=5)
         await self.server.close()
 
     def __exit__(self, *exc) -> None:
