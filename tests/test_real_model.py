@@ -15,19 +15,14 @@ import torch
 from redis_harness import free_port
 from up_harness import FaultLoad, Phase, UpProcess, run_phase, settle
 
+from benchmarks.chat_parity import QUESTIONS as ALL_QUESTIONS
 from shared.model_dir import CHAT_MODEL_INSTALL, CHAT_MODEL_NAME, ModelDir, chat_model_file
 from shared.sampling import SamplingParams
 from shared.settings import Settings
 
 KEY = "real-model-key"
 WORKERS = ("worker-0", "worker-1")
-QUESTIONS = [
-    "What is the capital of France?", "What is 2 + 2?", "Name three primary colors.",
-    "Write a haiku about the sea.", "What is the boiling point of water in Celsius?",
-    "Who wrote Romeo and Juliet?", "Give me a synonym for happy.", "What is the largest planet in our solar system?",
-    "Translate 'good morning' into Spanish.", "What is photosynthesis? Answer in one sentence.",
-    "List the first five prime numbers.", "What color is the sky on a clear day?",
-]
+QUESTIONS = ALL_QUESTIONS[:12]  # the benchmark asks all of them, in both dtypes
 ANSWER_TOKENS = 48
 STREAM_TOKENS = 64  # long enough for the kill to land mid-stream
 # The stacks and their oracle engines share these, so that both hold the same KV cache.
