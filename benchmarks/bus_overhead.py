@@ -90,7 +90,8 @@ def run_services(client, prompts: list[list[int]], params: SamplingParams, concu
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny", help="what `pagedserve up --model` takes (default: the built-in tiny model)")
+    parser.add_argument("--model", default="tiny",
+                        help="what `pagedserve up --model` takes (default: the built-in tiny model)")
     parser.add_argument("--concurrency", default="1,16,64", help="comma-separated requests in flight")
     parser.add_argument("--requests", type=int, default=0, help="requests per level (default 8 × concurrency, ≥ 16: "
                         "runs of a second or less swung the ratio by ±20 %%)")

@@ -663,7 +663,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-every", type=float, default=45.0,
                         help="seconds between SIGKILLs, a worker and the scheduler in turn (0 = none)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", default="tiny", help="what `pagedserve up --model` takes (default: the built-in tiny model)")
+    parser.add_argument("--model", default="tiny",
+                        help="what `pagedserve up --model` takes (default: the built-in tiny model)")
     parser.add_argument("--num-blocks", type=int, default=48, help="KV blocks per worker: small, to preempt")
     parser.add_argument("--concurrency", type=int, default=12, help="clients, each one request at a time")
     parser.add_argument("--prompts", type=int, default=24, help="distinct prompts in the request pool")

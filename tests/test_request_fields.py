@@ -354,10 +354,9 @@ def with_bos(model_dir: Path, tmp_path: Path) -> Path:
     shutil.copytree(model_dir, out)
     spec = json.loads((out / "tokenizer.json").read_text())
     bos = next(t["id"] for t in spec["added_tokens"] if t["content"] == "<s>")
-    spec["post_processor"] = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
-                              {"Sequence": {"id": "A", "type_id": 0}}], "pair": [{"Sequence": {"id": "A", "type_id": 0}},
-                              {"Sequence": {"id": "B", "type_id": 1}}],
-                              "special_tokens": {"<s>": {"id": "<s>", "ids": [bos], "tokens": ["<s>"]}}}
+    a, b = {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}
+    spec["post_processor"] = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, a],
+                              "pair": [a, b], "special_tokens": {"<s>": {"id": "<s>", "ids": [bos], "tokens": ["<s>"]}}}
     (out / "tokenizer.json").write_text(json.dumps(spec))
     return out
 
@@ -428,7 +427,7 @@ def test_a_honoured_field_takes_effect(gw, caplog, tmp_path, route, name):
     PROBES[name](Probing(gw, route, name, caplog, tmp_path))
 
 
-# ---- content types, the retrieve-model route --------------------------------------------------------------------------
+# ---- content types, the retrieve-model route -------------------------------------------------------------------------
 
 NOT_JSON = {"form": ("application/x-www-form-urlencoded", b"prompt=hi"), "text": ("text/plain", b'{"prompt": "hi"}'),
             "multipart": ("multipart/form-data; boundary=x", b'--x\r\nContent-Disposition: form-data; name="prompt"'
