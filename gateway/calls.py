@@ -6,6 +6,7 @@ their errors named as the route names the field.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,9 @@ from gateway.detokenizer import IncrementalDetokenizer
 from gateway.errors import bad_request
 from gateway.model import ServedModel, Tokenizer
 from gateway.request_model import ChatRequest, CompletionRequest, DetokenizeRequest, Sampling, TokenizeRequest
+from gateway import tools
+from gateway.tools import CallFormat
+from shared import constraints
 from shared.sampling import ParamError, SamplingParams
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -53,11 +57,24 @@ class GenerateCall:
     response_role: str = ASSISTANT  # chat
     prompt_text: str | None = None  # chat's return_prompt_text
     user: str | None = None
+    tool_format: CallFormat | None = None  # chat with tools it may call: how the answers' calls are read
 
     @property
     def work(self) -> int:
         """What the call queues, in tokens: prompts x n x (prompt tokens + max_tokens)."""
         return self.params.n * sum(len(p.token_ids) + self.params.max_tokens for p in self.prompts)
+
+
+def _check_constraint(s: Sampling, model: ServedModel) -> None:
+    """A constraint that does not compile for this model (or not within llguidance's limits) is the client's 400,
+    named by the field that asked for it, before anything is queued."""
+    if s.constraint is None:
+        return
+    try:
+        constraints.check(s.constraint, model.grammar_tokenizer())
+    except constraints.ConstraintError as e:
+        raise bad_request(f"`{s.constraint_param}` does not compile: {e}", param=s.constraint_param,
+                          code="invalid_constraint") from None
 
 
 def completion_call(req: CompletionRequest, model: ServedModel) -> GenerateCall:
@@ -80,6 +97,7 @@ def completion_call(req: CompletionRequest, model: ServedModel) -> GenerateCall:
     bus_prompt_logprobs = max((k for k in (req.sampling.prompt_logprobs, req.logprobs if echo_logprobs else None)
                                if k is not None), default=None)
     params, choices, ranked = _params(req.sampling, max_tokens, req.logprobs, bus_prompt_logprobs, {})
+    _check_constraint(req.sampling, model)
     if echo_logprobs:
         prompts = [Prompt(p.token_ids, p.text, p.from_text, _text_offsets(tokenizer, p)) for p in prompts]
     return _call(model, prompts, params, choices, ranked, req.sampling, logprobs=req.logprobs,
@@ -88,30 +106,42 @@ def completion_call(req: CompletionRequest, model: ServedModel) -> GenerateCall:
 
 
 def chat_call(req: ChatRequest, model: ServedModel) -> GenerateCall:
-    rendered = model.tokenizer.render_chat([m.for_template() for m in req.messages], req.template)
-    ids = _truncated(rendered.token_ids, req.sampling, model, False)
+    use = req.tool_use
+    offered = [t.for_template() for t in use.tools] if use is not None else None
+    rendered = model.tokenizer.render_chat([m.for_template() for m in req.messages], req.template, offered)
+    sampling, tool_format = req.sampling, None
+    if use is not None and use.choice != "none":
+        if sampling.constraint is not None:
+            raise bad_request(f"`{sampling.constraint_param}` cannot go with tools the model may call (their calls are "
+                              "constrained already): send `tool_choice: \"none\"` to constrain the answer instead",
+                              param=sampling.constraint_param)
+        tool_format = model.tool_format
+        sampling = dataclasses.replace(sampling, constraint=tools.constraint(use, tool_format),
+                                       constraint_param="tools")
+    ids = _truncated(rendered.token_ids, sampling, model, False)
     prompts = [Prompt(ids, "")]
     max_tokens = _fit_max_tokens(prompts, req.max_tokens, model, "messages", None, req.max_tokens_param)
     renames = {"logprobs": "top_logprobs", "max_tokens": req.max_tokens_param}
-    params, choices, ranked = _params(req.sampling, max_tokens, req.logprobs, req.sampling.prompt_logprobs, renames)
+    params, choices, ranked = _params(sampling, max_tokens, req.logprobs, sampling.prompt_logprobs, renames)
+    _check_constraint(sampling, model)
     # As vLLM: the answer's role is the assistant's, or, continuing the last message, that message's role; its
     # echo is that last message's content when the roles agree.
     last = req.messages[-1]
     role = ASSISTANT if req.template.add_generation_prompt else last.role
     echo = (last.content if last.role == role else "",) if req.echo else None
-    return _call(model, prompts, params, choices, ranked, req.sampling, logprobs=req.logprobs, echo=echo,
+    return _call(model, prompts, params, choices, ranked, sampling, logprobs=req.logprobs, echo=echo,
                  response_role=role, prompt_text=rendered.text if req.return_prompt_text else None,
-                 user=req.sampling.user or req.safety_identifier)
+                 user=sampling.user or req.safety_identifier, tool_format=tool_format)
 
 
 def _call(model: ServedModel, prompts: list[Prompt], params: SamplingParams, choices: int, ranked: bool,
           s: Sampling, *, logprobs: int | None, echo: tuple[str, ...] | None, user: str | None,
           echo_logprobs: bool = False, hide_output: bool = False, response_role: str = ASSISTANT,
-          prompt_text: str | None = None) -> GenerateCall:
+          prompt_text: str | None = None, tool_format: CallFormat | None = None) -> GenerateCall:
     return GenerateCall(model.name, tuple(prompts), params, choices, ranked, logprobs, s.prompt_logprobs, echo,
                         echo_logprobs, hide_output, s.stop, s.include_stop_str_in_output, s.skip_special_tokens,
                         s.stream, s.include_usage, s.continuous_usage_stats, s.return_token_ids,
-                        s.return_tokens_as_token_ids, response_role, prompt_text, user)
+                        s.return_tokens_as_token_ids, response_role, prompt_text, user, tool_format)
 
 
 def _params(s: Sampling, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
@@ -128,7 +158,7 @@ def _params(s: Sampling, max_tokens: int, logprobs: int | None, prompt_logprobs:
     if s.best_of is not None and s.best_of < n:
         raise bad_request(f"`best_of` must be at least `n` ({n}); got {s.best_of}", param="best_of")
     common = dict(max_tokens=max_tokens, min_tokens=s.min_tokens or 0, stop_token_ids=list(s.stop_token_ids),
-                  ignore_eos=s.ignore_eos, prompt_logprobs=prompt_logprobs)
+                  ignore_eos=s.ignore_eos, prompt_logprobs=prompt_logprobs, constraint=s.constraint)
     if not s.use_beam_search:
         for name in ("length_penalty", "early_stopping"):
             if getattr(s, name) is not None:
@@ -225,7 +255,8 @@ def _text_offsets(tokenizer: Tokenizer, prompt: Prompt) -> tuple[int, ...]:
 def tokenize(req: TokenizeRequest, model: ServedModel) -> dict[str, Any]:
     """`POST /tokenize` in vLLM's shape (`token_strs` null unless asked for)."""
     if req.messages is not None:
-        ids = model.tokenizer.render_chat([m.for_template() for m in req.messages], req.template).token_ids
+        ids = model.tokenizer.render_chat([m.for_template() for m in req.messages], req.template,
+                                          [t.for_template() for t in req.tools]).token_ids
     else:
         ids = model.tokenizer.encode(req.prompt, req.add_special_tokens)
     return {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids,

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 OPENAI, VLLM, BOTH, OURS = "OpenAI", "vLLM", "OpenAI, vLLM", "pagedserve"
-NOT_YET_TOOLS = "tools and structured outputs are not served yet"
+CONSTRAINED = "the output is constrained to it on the worker (llguidance); one constraint per request"
+RESPONSE_FORMAT = ("{\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": \"json_schema\", \"json_schema\": "
+                   "{\"name\", \"schema\", \"strict\"}}: " + CONSTRAINED)
 BEST_OF = ("samples per prompt (≥ n) on shared blocks, the n of highest cumulative logprob returned best first; "
            "with `use_beam_search` the beam width")
 
@@ -80,7 +82,7 @@ _SAMPLING = (
     _refused("logprob_token_ids", VLLM, "not served: per-position logprobs of fixed ids"),
     _refused("bad_words", VLLM, "not served", []),
     _refused("watermarking", VLLM, "no watermark is configured", False),
-    _refused("structured_outputs", VLLM, NOT_YET_TOOLS),
+    _honoured("structured_outputs", VLLM, "see the structured_outputs table; " + CONSTRAINED),
     _refused("priority", VLLM, "one priority for all requests yet", 0),
     _refused("request_id", VLLM, "ids are the gateway's (send an `X-Request-Id` header to name a call in the logs)"),
     _refused("session_id", VLLM, "no session routing"),
@@ -96,12 +98,13 @@ _SAMPLING = (
     _refused("return_token_offsets", VLLM, "only vLLM's render routes have it", False),
     _refused("mm_payload", VLLM, "text models only"),
     _refused("return_mm_kwargs", VLLM, "text models only"),
-    _refused("guided_json", VLLM, "removed from vLLM; " + NOT_YET_TOOLS),
-    _refused("guided_regex", VLLM, "removed from vLLM; " + NOT_YET_TOOLS),
-    _refused("guided_choice", VLLM, "removed from vLLM; " + NOT_YET_TOOLS),
-    _refused("guided_grammar", VLLM, "removed from vLLM; " + NOT_YET_TOOLS),
-    _refused("guided_decoding_backend", VLLM, "removed from vLLM; " + NOT_YET_TOOLS),
-    _refused("guided_whitespace_pattern", VLLM, "removed from vLLM; " + NOT_YET_TOOLS),
+    _honoured("guided_json", VLLM, "vLLM's older name of structured_outputs.json (vLLM itself now ignores it)"),
+    _honoured("guided_regex", VLLM, "vLLM's older name of structured_outputs.regex"),
+    _honoured("guided_choice", VLLM, "vLLM's older name of structured_outputs.choice"),
+    _honoured("guided_grammar", VLLM, "vLLM's older name of structured_outputs.grammar"),
+    _refused("guided_decoding_backend", VLLM, "llguidance is the one backend", "auto", "llguidance", "guidance"),
+    _refused("guided_whitespace_pattern", VLLM, "whitespace in JSON is flexible, or none with "
+             "structured_outputs.disable_any_whitespace"),
     _refused("logits_processors", VLLM, "removed from vLLM; no custom logits processors"),
 )
 
@@ -114,7 +117,7 @@ COMPLETIONS = _table(
     _honoured("best_of", OPENAI, BEST_OF),
     _refused("suffix", BOTH, "no fill-in-the-middle", ""),
     _refused("prompt_embeds", VLLM, "prompts are text or token ids"),
-    _refused("response_format", VLLM, NOT_YET_TOOLS, {"type": "text"}),
+    _honoured("response_format", VLLM, RESPONSE_FORMAT),
     *_SAMPLING,
 )
 
@@ -135,14 +138,15 @@ CHAT = _table(
     _honoured("return_prompt_text", VLLM, "the rendered prompt as `prompt_text` on the response (first chunk)"),
     _honoured("safety_identifier", OPENAI, "logged with the call's request id, as `user`"),
     _honoured("best_of", OURS, BEST_OF),
-    _refused("response_format", BOTH, NOT_YET_TOOLS, {"type": "text"}),
+    _honoured("response_format", BOTH, RESPONSE_FORMAT),
     _refused("include_reasoning", VLLM, "no reasoning parser: the answer holds what the model writes", True),
-    _refused("tools", BOTH, NOT_YET_TOOLS, []),
-    _refused("tool_choice", BOTH, NOT_YET_TOOLS, "none"),
-    _refused("parallel_tool_calls", BOTH, NOT_YET_TOOLS + " (without tools any value asks for nothing)",
-             True, False),
-    _refused("functions", OPENAI, NOT_YET_TOOLS, []),
-    _refused("function_call", OPENAI, NOT_YET_TOOLS, "none"),
+    _honoured("tools", BOTH, "functions the model may call (rendered by the chat template); their calls come back "
+              "as `tool_calls`, in the format of `--tool-call-parser`"),
+    _honoured("tool_choice", BOTH, "\"none\", \"auto\" (default with tools: text, or calls kept valid once opened), "
+              "\"required\" or a named function (calls alone, constrained to the functions' schemas)"),
+    _honoured("parallel_tool_calls", BOTH, "false: at most one call"),
+    _refused("functions", OPENAI, "deprecated by OpenAI: send `tools`", []),
+    _refused("function_call", OPENAI, "deprecated by OpenAI: send `tool_choice`", "none"),
     _refused("documents", VLLM, "no retrieval documents for the template"),
     _refused("chat_template", VLLM, "the model's own chat template only"),
     _refused("media_io_kwargs", VLLM, "text models only"),
@@ -163,6 +167,18 @@ CHAT = _table(
     *_SAMPLING,
 )
 
+STRUCTURED_OUTPUTS = _table(
+    _honoured("json", VLLM, "a JSON schema (an object, or its text)"),
+    _honoured("regex", VLLM, "a regular expression the whole output matches"),
+    _honoured("choice", VLLM, "the output is one of these strings"),
+    _honoured("grammar", VLLM, "a Lark or GBNF (llama.cpp's EBNF) grammar"),
+    _honoured("json_object", VLLM, "any JSON object"),
+    _honoured("disable_any_whitespace", VLLM, "JSON with no whitespace between its tokens"),
+    _refused("disable_additional_properties", VLLM, "a schema says additionalProperties itself", False),
+    _refused("whitespace_pattern", VLLM, "whitespace in JSON is flexible, or none (disable_any_whitespace)"),
+    _refused("structural_tag", VLLM, "send `tools`: the server writes the grammar of the model's calls"),
+)
+
 STREAM_OPTIONS = _table(
     _honoured("include_usage", BOTH, "a last chunk with the call's usage"),
     _honoured("continuous_usage_stats", VLLM, "every chunk carries its choice's usage so far"),
@@ -179,8 +195,8 @@ TOKENIZE = _table(
     _honoured("chat_template_kwargs", VLLM, "messages: more variables for the chat template"),
     _honoured("return_token_strs", VLLM, "`token_strs` beside the ids (else null)"),
     _refused("chat_template", VLLM, "the model's own chat template only"),
-    _refused("tools", VLLM, NOT_YET_TOOLS, []),
-    _refused("response_format", VLLM, NOT_YET_TOOLS, {"type": "text"}),
+    _honoured("tools", VLLM, "rendered by the chat template, as chat renders them"),
+    _refused("response_format", VLLM, "a constraint changes no prompt token", {"type": "text"}),
     _refused("media_io_kwargs", VLLM, "text models only"),
     _refused("mm_processor_kwargs", VLLM, "text models only"),
 )
@@ -191,6 +207,7 @@ DETOKENIZE = _table(
 )
 
 ROUTES = {"/v1/completions": COMPLETIONS, "/v1/chat/completions": CHAT, "stream_options": STREAM_OPTIONS,
+          "structured_outputs": STRUCTURED_OUTPUTS,
           "/tokenize": TOKENIZE, "/detokenize": DETOKENIZE}
 
 

@@ -12,6 +12,7 @@ from typing import Any
 from gateway.calls import GenerateCall
 from gateway.generation import TokenLogprob
 from gateway.model import Tokenizer
+from gateway.tools import CallDelta, ToolCall
 from shared.protocol import PromptLogprob
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; a token of probability 0 reports this
@@ -64,7 +65,8 @@ class Format:
         # vLLM's return_tokens_as_token_ids: a logprob token reads `token_id:<id>`, whatever its text
         self.token_text = (lambda t: f"token_id:{t}") if call.tokens_as_ids else tokenizer.token_text
         # Chunks that differ in their text alone, so that a template can stand for them (see Generation)
-        self.plain_chunks = not (self.want_logprobs or call.return_token_ids or call.continuous_usage)
+        self.plain_chunks = not (self.want_logprobs or call.return_token_ids or call.continuous_usage
+                                 or call.tool_format is not None)
 
     def _ids(self, out: dict[str, Any], records: list[TokenLogprob]) -> dict[str, Any]:
         if self.token_ids:
@@ -129,6 +131,11 @@ class CompletionFormat(Format):
                 choice["prompt_token_ids"] = prompt_ids[prompt_of[i]]
 
 
+def _calls_finish(finish_reason: str | None) -> str | None:
+    """A choice that ends where its model stopped, after tool calls, ends with them (OpenAI's `tool_calls`)."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
 class ChatFormat(Format):
     """`/v1/chat/completions`: choices carry a message (or a delta); logprobs as a `content` list; vLLM's
     `prompt_logprobs` and `prompt_token_ids` on the response (a chat has one prompt)."""
@@ -154,15 +161,30 @@ class ChatFormat(Format):
                             | {"top_logprobs": [self._entry(t, lp) for t, lp in r.top]} for r in records]}
 
     def choice(self, index: int, text: str, records: list[TokenLogprob], finish_reason: str | None,
-               stop_reason: str | None) -> dict[str, Any]:
-        return self._ids({"index": index, "message": {"role": self.role, "content": text},
-                          "logprobs": self.logprobs(records), "finish_reason": finish_reason,
-                          "stop_reason": stop_reason}, records)
+               stop_reason: str | None, calls: list[ToolCall] | None = None) -> dict[str, Any]:
+        """`calls`: the tool calls read from the answer, where the call offered tools (text before them is the
+        content, null if none; they end the choice as `tool_calls`)."""
+        message: dict[str, Any] = {"role": self.role, "content": text}
+        if calls is not None:
+            message["tool_calls"] = [c.as_message() for c in calls]
+            if calls:
+                message["content"] = text or None
+                finish_reason = _calls_finish(finish_reason)
+        return self._ids({"index": index, "message": message, "logprobs": self.logprobs(records),
+                          "finish_reason": finish_reason, "stop_reason": stop_reason}, records)
 
     def chunk_choice(self, index: int, text: str, records: list[TokenLogprob], finish_reason: str | None,
-                     stop_reason: str | None) -> dict[str, Any]:
+                     stop_reason: str | None, calls: list[CallDelta] | None = None,
+                     called: bool = False) -> dict[str, Any]:
+        """`calls`: parts of tool calls this chunk adds (OpenAI's `delta.tool_calls`); `called`: the choice made
+        calls, which its finish reason says."""
         # Every token gets its chunk, with empty content while its text is an unfinished character.
-        return self._ids({"index": index, "delta": {"content": text}, "logprobs": self.logprobs(records),
+        delta: dict[str, Any] = {"content": text}
+        if calls:
+            delta = {"tool_calls": [c.as_chunk() for c in calls]} | ({"content": text} if text else {})
+        if called:
+            finish_reason = _calls_finish(finish_reason)
+        return self._ids({"index": index, "delta": delta, "logprobs": self.logprobs(records),
                           "finish_reason": finish_reason, "stop_reason": stop_reason}, records)
 
     def openings(self, index: int, echo_text: str | None, records: list[TokenLogprob]) -> list[dict[str, Any]]:

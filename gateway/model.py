@@ -9,7 +9,8 @@ from typing import Any
 
 from gateway.errors import bad_request
 from gateway.request_model import ChatTemplate
-from shared.model_dir import max_model_len, read_config, resolve_model_dir, vocab_size
+from gateway.tools import CallFormat, call_format
+from shared.model_dir import eos_token_ids, max_model_len, read_config, resolve_model_dir, vocab_size
 from shared.settings import Settings
 
 
@@ -141,8 +142,10 @@ class Tokenizer:
         return {"tokenizer_class": self.tokenizer_class, **tokens, "chat_template": self.chat_template,
                 "model_max_length": max_model_len, "vocab_size": self.vocab_size}
 
-    def render_chat(self, messages: list[dict[str, Any]], template: ChatTemplate = ChatTemplate()) -> ChatPrompt:
-        """The chat template's text and token ids; 400 when the model has no template or it rejects the messages."""
+    def render_chat(self, messages: list[dict[str, Any]], template: ChatTemplate = ChatTemplate(),
+                    tools: list[dict[str, Any]] | None = None) -> ChatPrompt:
+        """The chat template's text and token ids (with the tools offered, for a template that renders them); 400
+        when the model has no template or it rejects the messages."""
         if not self.chat_template:
             raise bad_request("this model has no chat template; use /v1/completions with a plain prompt",
                               param="messages", code="no_chat_template")
@@ -150,7 +153,7 @@ class Tokenizer:
 
         self.warm_up()
         try:
-            rendered, _ = self._render([messages], chat_template=self.chat_template,
+            rendered, _ = self._render([messages], chat_template=self.chat_template, tools=tools or None,
                                        add_generation_prompt=template.add_generation_prompt,
                                        continue_final_message=template.continue_final_message,
                                        **self.special_tokens | dict(template.kwargs))
@@ -179,6 +182,18 @@ class ServedModel:
     max_model_len: int
     vocab_size: int  # token ids must be below this
     tokenizer: Tokenizer
+    eos_token_ids: list[int]
+    tool_format: CallFormat  # how the model writes tool calls
+    _grammar_tokenizer: Any = None
+
+    def grammar_tokenizer(self) -> Any:
+        """llguidance's view of the tokenizer, to check constraints with (built on the first one: about a second)."""
+        if self._grammar_tokenizer is None:
+            from shared import constraints
+
+            self._grammar_tokenizer = constraints.tokenizer(self.tokenizer.backend.to_str(), self.vocab_size,
+                                                            self.eos_token_ids)
+        return self._grammar_tokenizer
 
     @classmethod
     def load(cls, settings: Settings) -> "ServedModel":
@@ -189,4 +204,5 @@ class ServedModel:
         return cls(name=model_dir.served_name(settings.served_model_name), path=path,
                    max_model_len=max_model_len(config, settings.max_model_len),
                    vocab_size=vocab_size(config) or tokenizer.vocab_size,
-                   tokenizer=tokenizer)
+                   tokenizer=tokenizer, eos_token_ids=eos_token_ids(path),
+                   tool_format=call_format(settings.tool_call_parser, tokenizer.chat_template))

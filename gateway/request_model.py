@@ -7,13 +7,17 @@ ranges that the bus also enforces (temperature, top_p, ...) are checked where th
 """
 from __future__ import annotations
 
+import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from gateway import fields
 from gateway.errors import ApiError, bad_request
 from gateway.fields import Field
+from gateway.tools import Tool, ToolCall, ToolUse
+from shared.sampling import Constraint
 
 MAX_LOGIT_BIAS_ENTRIES = 1024  # as vLLM
 MAX_ALLOWED_TOKEN_IDS = 1024
@@ -55,6 +59,8 @@ class Sampling:
     include_usage: bool
     continuous_usage_stats: bool
     user: str | None
+    constraint: Constraint | None  # structured outputs
+    constraint_param: str | None  # the field that asked for it, for errors
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,9 +78,27 @@ class Message:
     role: str
     content: str
     name: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's answer: the call it answers
 
     def for_template(self) -> dict[str, Any]:
-        return {"role": self.role, "content": self.content} | ({"name": self.name} if self.name is not None else {})
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            # templates read the arguments as a mapping (as vLLM hands them over), or as text where they are no JSON
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.name, "arguments": _json_or_text(c.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +120,7 @@ class ChatRequest:
     echo: bool
     return_prompt_text: bool
     safety_identifier: str | None
+    tool_use: ToolUse | None  # None: no tools offered
     sampling: Sampling
 
 
@@ -106,6 +131,7 @@ class TokenizeRequest:
     add_special_tokens: bool
     template: ChatTemplate
     return_token_strs: bool
+    tools: tuple[Tool, ...] = ()  # rendered with the messages
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +145,7 @@ class Body:
     def __init__(self, raw: Any, table: dict[str, Field], where: str = "") -> None:
         if not isinstance(raw, dict):
             what = f"`{where}`" if where else "the request body"
-            raise bad_request(f"{what} must be a JSON object, not {kind(raw)}", param=where or None)
+            raise bad_request(f"{what} must be a JSON object, not {kind_of(raw)}", param=where or None)
         self.raw = raw
         self.where = where
         for name, value in raw.items():
@@ -153,7 +179,7 @@ def convert(value: Any, tp: type, param: str, default: Any = None) -> Any:
     if tp is int and type(value) is float and value.is_integer():
         value = int(value)
     if type(value) is not tp:
-        raise bad_request(f"`{param}` must be {_KIND_NAMES[tp]}, not {kind(value)}", param=param)
+        raise bad_request(f"`{param}` must be {_KIND_NAMES[tp]}, not {kind_of(value)}", param=param)
     if tp is int and not _INT64[0] <= value <= _INT64[1]:
         raise bad_request(f"`{param}` must fit in a signed 64-bit integer; got {value}", param=param)
     if tp is str:
@@ -161,7 +187,7 @@ def convert(value: Any, tp: type, param: str, default: Any = None) -> Any:
     return value
 
 
-def kind(value: Any) -> str:
+def kind_of(value: Any) -> str:
     if value is None:
         return "null"
     return next((name for tp, name in _KIND_NAMES.items() if type(value) is tp), type(value).__name__)
@@ -259,7 +285,90 @@ def _sampling(body: Body, vocab_size: int) -> Sampling:
         return_tokens_as_token_ids=body.get("return_tokens_as_token_ids", bool, False),
         stream=stream, include_usage=options is not None and options.get("include_usage", bool, False),
         continuous_usage_stats=options is not None and options.get("continuous_usage_stats", bool, False),
-        user=body.get("user", str))
+        user=body.get("user", str), **_constraint(body))
+
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _constraint(body: Body) -> dict[str, Any]:
+    """The one constraint a body asks for (response_format, structured_outputs or vLLM's older guided_* fields)."""
+    asked = [name for name in ("response_format", "structured_outputs", *GUIDED) if body.has(name)]
+    fmt = body.raw.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") == "text" and len(fmt) == 1:
+        asked.remove("response_format")  # asks for nothing
+    if len(asked) > 1:
+        raise bad_request(f"send one constraint, not {' and '.join(f'`{a}`' for a in asked)}", param=asked[1])
+    if not asked:
+        return {"constraint": None, "constraint_param": None}
+    param = asked[0]
+    if param == "response_format":
+        constraint = _response_format(fmt)
+    elif param == "structured_outputs":
+        constraint = _structured_outputs(Body(body.raw[param], fields.STRUCTURED_OUTPUTS, param))
+    else:
+        constraint = _outputs(GUIDED[param], body.raw[param], param)
+    return {"constraint": constraint, "constraint_param": param}
+
+
+def _response_format(fmt: Any) -> Constraint:
+    if not isinstance(fmt, dict):
+        raise bad_request("`response_format` must be an object", param="response_format")
+    kind = fmt.get("type")
+    extra = next((k for k in fmt if k not in ("type", "json_schema")), None)
+    if extra is not None:
+        raise bad_request(f"`response_format.{extra}` is not a field of response_format", param="response_format")
+    if kind == "json_object":
+        return _outputs("json_object", True, "response_format")
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise bad_request("`response_format.json_schema` must be an object with the `schema` (and a `name`)",
+                              param="response_format")
+        odd = next((k for k in spec if k not in ("name", "schema", "strict", "description")), None)
+        if odd is not None:
+            raise bad_request(f"`response_format.json_schema.{odd}` is not a field of json_schema",
+                              param="response_format")
+        return _outputs("json", spec["schema"], "response_format")
+    raise bad_request(f"`response_format.type` must be \"text\", \"json_object\" or \"json_schema\"; got {kind!r}",
+                      param="response_format")
+
+
+def _structured_outputs(body: Body) -> Constraint:
+    kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if body.has(k)]
+    if len(kinds) != 1:
+        raise bad_request("`structured_outputs` takes exactly one of json, regex, choice, grammar or json_object; "
+                          f"got {', '.join(kinds) or 'none'}", param="structured_outputs")
+    constraint = _outputs(kinds[0], body.raw[kinds[0]], "structured_outputs")
+    if body.get("disable_any_whitespace", bool, False):
+        if constraint.kind != "json_schema":
+            raise bad_request("`structured_outputs.disable_any_whitespace` applies to JSON", param="structured_outputs")
+        constraint = Constraint(constraint.kind, constraint.spec, compact=True)
+    return constraint
+
+
+def _outputs(kind: str, value: Any, param: str) -> Constraint:
+    """A constraint of vLLM's kinds (json, regex, choice, grammar, json_object) as the bus carries it."""
+    if kind == "json_object":
+        if value is not True:
+            raise bad_request(f"`{param}`: json_object must be true", param=param)
+        return Constraint("json_schema", '{"type": "object"}')
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise bad_request(f"`{param}`: the JSON schema is not JSON: {e}", param=param) from None
+        if not isinstance(value, (dict, bool)):
+            raise bad_request(f"`{param}`: a JSON schema is an object, not {kind_of(value)}", param=param)
+        return Constraint("json_schema", json.dumps(value))  # key order kept: it is the output's order
+    if kind == "choice":
+        if not (isinstance(value, list) and value and all(isinstance(c, str) for c in value)):
+            raise bad_request(f"`{param}`: choice must be a non-empty array of strings", param=param)
+        return Constraint("choice", json.dumps([utf8(c, param) for c in value]))
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"`{param}`: {kind} must be a non-empty string", param=param)
+    return Constraint(kind, utf8(value, param))
 
 
 def _prompts(raw: Any, vocab_size: int) -> tuple[str | tuple[int, ...], ...]:
@@ -281,7 +390,7 @@ def _prompts(raw: Any, vocab_size: int) -> tuple[str | tuple[int, ...], ...]:
             prompts.append(tuple(item))
         else:
             raise bad_request("each prompt must be a non-empty string or a non-empty list of token ids, "
-                              f"not {kind(item) if item != [] else 'an empty array'}", param="prompt")
+                              f"not {kind_of(item) if item != [] else 'an empty array'}", param="prompt")
     return tuple(prompts)
 
 
@@ -305,35 +414,99 @@ def _content(raw: Any, i: int) -> str:
                                   "this server takes text only", param="messages")
             parts.append(part["text"])
         return utf8("".join(parts), "messages")
-    raise bad_request(f"messages[{i}].content must be a string or an array of text parts, not {kind(raw)}",
+    raise bad_request(f"messages[{i}].content must be a string or an array of text parts, not {kind_of(raw)}",
                       param="messages")
 
 
-MESSAGE_KEYS = ("role", "content", "name")
+MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")
 
 
 def messages(raw: Any) -> tuple[Message, ...]:
-    """Chat messages: any role (the chat template decides which it takes), text content, an optional name."""
+    """Chat messages: any role (the chat template decides which it takes), text content, an optional name; an
+    assistant's tool calls, a tool's answer with the id of the call it answers."""
     if not isinstance(raw, list) or not raw:
         raise bad_request("`messages` must be a non-empty array of messages", param="messages")
     out = []
     for i, m in enumerate(raw):
         if not isinstance(m, dict):
-            raise bad_request(f"messages[{i}] must be an object, not {kind(m)}", param="messages")
+            raise bad_request(f"messages[{i}] must be an object, not {kind_of(m)}", param="messages")
         role = m.get("role")
         if not isinstance(role, str) or not role:
             raise bad_request(f"messages[{i}].role must be a non-empty string; got {role!r}", param="messages")
         extra = next((k for k, v in m.items() if k not in MESSAGE_KEYS and v is not None), None)
         if extra is not None:
             raise bad_request(f"messages[{i}].{extra} is not supported by this server (messages carry a role, text "
-                              "content and a name; tool calls are not served yet)", param="messages",
+                              "content, a name, tool calls and a tool call's id)", param="messages",
                               code="unsupported")
-        name = m.get("name")
-        if name is not None and not isinstance(name, str):
-            raise bad_request(f"messages[{i}].name must be a string", param="messages")
+        name, call_id = m.get("name"), m.get("tool_call_id")
+        for key, value in (("name", name), ("tool_call_id", call_id)):
+            if value is not None and not isinstance(value, str):
+                raise bad_request(f"messages[{i}].{key} must be a string", param="messages")
         out.append(Message(utf8(role, "messages"), _content(m.get("content"), i),
-                           None if name is None else utf8(name, "messages")))
+                           None if name is None else utf8(name, "messages"), _tool_calls(m.get("tool_calls"), i),
+                           None if call_id is None else utf8(call_id, "messages")))
     return tuple(out)
+
+
+def _tool_calls(raw: Any, i: int) -> tuple[ToolCall, ...]:
+    """An assistant message's `tool_calls` as OpenAI returns them."""
+    if raw is None:
+        return ()
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(raw, list):
+        raise bad_request(f"{where} must be an array", param="messages")
+    calls = []
+    for j, call in enumerate(raw):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+                and isinstance(function.get("arguments", ""), str) and call.get("type", "function") == "function"
+                and isinstance(call.get("id", ""), str)):
+            raise bad_request(f"{where}[{j}] must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                              "\"arguments\" (a string)}}}", param="messages")
+        calls.append(ToolCall(utf8(call.get("id", ""), "messages"), utf8(function["name"], "messages"),
+                              utf8(function.get("arguments", ""), "messages")))
+    return tuple(calls)
+
+
+def _tool_use(body: Body) -> ToolUse | None:
+    """`tools`, `tool_choice` and `parallel_tool_calls`, as OpenAI defines them."""
+    raw = body.raw.get("tools")
+    choice = body.raw.get("tool_choice")
+    if raw is None or raw == []:
+        if choice not in (None, "none"):
+            raise bad_request("`tool_choice` needs `tools`", param="tool_choice")
+        return None
+    if not isinstance(raw, list):
+        raise bad_request("`tools` must be an array of tools", param="tools")
+    tools = []
+    for i, tool in enumerate(raw):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
+            raise bad_request(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}: this server "
+                              "calls functions only", param="tools")
+        name, description = function.get("name"), function.get("description")
+        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
+            raise bad_request(f"tools[{i}].function.name must be 1-64 letters, digits, _ . or -; got {name!r}",
+                              param="tools")
+        if description is not None and not isinstance(description, str):
+            raise bad_request(f"tools[{i}].function.description must be a string", param="tools")
+        if not isinstance(parameters, dict):
+            raise bad_request(f"tools[{i}].function.parameters must be a JSON schema (an object)", param="tools")
+        if any(t.name == name for t in tools):
+            raise bad_request(f"tools[{i}]: two tools are named {name!r}", param="tools")
+        tools.append(Tool(name, None if description is None else utf8(description, "tools"), json.dumps(parameters)))
+    parallel = body.get("parallel_tool_calls", bool, True)
+    if choice is None or choice in ("none", "auto", "required"):
+        return ToolUse(tuple(tools), choice or "auto", None, parallel)
+    function = choice.get("function") if isinstance(choice, dict) else None
+    if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(function, dict)
+            and isinstance(function.get("name"), str)):
+        raise bad_request("`tool_choice` must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                          "\"function\": {\"name\": ...}}", param="tool_choice")
+    if not any(t.name == function["name"] for t in tools):
+        raise bad_request(f"`tool_choice` names {function['name']!r}, which is not among `tools`", param="tool_choice")
+    return ToolUse(tuple(tools), "function", function["name"], parallel)
 
 
 def _template(body: Body, add_special_tokens: bool) -> ChatTemplate:
@@ -366,7 +539,8 @@ def parse_chat(raw: Any, served: str, vocab_size: int) -> ChatRequest:
                        logprobs=(top or 0) if want else None, max_tokens=body.get(max_param, int),
                        max_tokens_param=max_param, echo=body.get("echo", bool, False),
                        return_prompt_text=body.get("return_prompt_text", bool, False),
-                       safety_identifier=body.get("safety_identifier", str), sampling=_sampling(body, vocab_size))
+                       safety_identifier=body.get("safety_identifier", str), tool_use=_tool_use(body),
+                       sampling=_sampling(body, vocab_size))
 
 
 def parse_tokenize(raw: Any, served: str) -> TokenizeRequest:
@@ -376,9 +550,10 @@ def parse_tokenize(raw: Any, served: str) -> TokenizeRequest:
     if body.has("messages"):
         if body.has("prompt"):
             raise bad_request("send `prompt` or `messages`, not both", param="prompt")
+        use = _tool_use(body)
         return TokenizeRequest(None, messages(raw["messages"]), False, _template(body, False),
-                               body.get("return_token_strs", bool, False))
-    chat_only = next((k for k in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+                               body.get("return_token_strs", bool, False), use.tools if use is not None else ())
+    chat_only = next((k for k in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools")
                       if body.has(k)), None)
     if chat_only is not None:
         raise bad_request(f"`{chat_only}` applies to `messages`, not to a `prompt`", param=chat_only)

@@ -15,7 +15,7 @@ from typing import AsyncIterator
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from gateway import sse
+from gateway import sse, tools
 from gateway.admission import Admission
 from gateway.bus import Bus
 from gateway.errors import ApiError
@@ -105,6 +105,7 @@ class Generation:
         self.created = int(received)
         self.text_chunks: dict[int, sse.TextEvent | None] = {}  # per choice, see _token_chunk
         self.generated: dict[int, int] = {}  # per choice streamed, its tokens so far
+        self.call_parsers: dict[int, tools.CallParser] = {}  # per choice streamed, where the call offered tools
         decode = functools.partial(gw.model.tokenizer.decode, skip_special_tokens=call.skip_special_tokens)
         self.trackers = [RequestTracker(f"{self.id}-{i}", call.params.n, call.params.max_tokens, p.token_ids, decode,
                                         call.stop, include_stop=call.include_stop_str,
@@ -249,7 +250,11 @@ class Generation:
         order = self._choice_order()
         for i in order:
             text, prefix = self._prefix(i)
-            choice = self.fmt.choice(len(choices), text + texts[i], prefix + _shifted(records[i], len(text)), *ends[i])
+            answer, calls = texts[i], {}
+            if self.call.tool_format is not None:
+                answer, calls["calls"] = tools.parse(self.call.tool_format, answer)
+            choice = self.fmt.choice(len(choices), text + answer, prefix + _shifted(records[i], len(text)), *ends[i],
+                                     **calls)
             if self.call.ranked:
                 choice["cumulative_logprob"] = sum(r.logprob or 0.0 for r in records[i])
             choices.append(choice)
@@ -282,18 +287,27 @@ class Generation:
                     self._chunk_body([self.fmt.chunk_choice(sample, sse.TEXT, [], None, None)]))
             if (template := self.text_chunks[sample]) is not None:
                 return template.event(delta.text)
-        return sse.event(self._chunk(sample, self.fmt.chunk_choice(
-            sample, delta.text, _shifted(delta.logprobs, echoed), delta.finish_reason, delta.stop_reason),
-            self.generated[sample]))
+        return sse.event(self._chunk(sample, self._chunk_choice(sample, delta, echoed), self.generated[sample]))
+
+    def _chunk_choice(self, sample: int, delta: Delta, echoed: int) -> dict:
+        """A token's chunk choice; where the call offered tools, its text read for tool calls as it comes."""
+        if self.call.tool_format is None:
+            return self.fmt.chunk_choice(sample, delta.text, _shifted(delta.logprobs, echoed), delta.finish_reason,
+                                         delta.stop_reason)
+        parser = self.call_parsers.setdefault(sample, tools.CallParser(self.call.tool_format))
+        piece = parser.feed(delta.text)
+        if delta.finish_reason is not None:
+            rest = parser.finish()
+            piece = tools.Piece(piece.content + rest.content, piece.calls + rest.calls)
+        return self.fmt.chunk_choice(sample, piece.content, _shifted(delta.logprobs, echoed), delta.finish_reason,
+                                     delta.stop_reason, calls=list(piece.calls), called=bool(parser.opened))
 
     def _opening(self, sample: int, echo: str | None, prefix: list[TokenLogprob], delta: Delta,
                  stream_start: bool) -> list[bytes]:
         """A choice's first chunks: its openings (chat's role, an echo), then its first token's; the first of them
         carries what vLLM puts on a choice's (or the stream's) first chunk."""
         chunks = [self._chunk(sample, c, 0) for c in self.fmt.openings(sample, echo, prefix)]
-        chunks.append(self._chunk(sample, self.fmt.chunk_choice(
-            sample, delta.text, _shifted(delta.logprobs, len(echo or "")), delta.finish_reason, delta.stop_reason),
-            self.generated[sample]))
+        chunks.append(self._chunk(sample, self._chunk_choice(sample, delta, len(echo or "")), self.generated[sample]))
         self.fmt.first_chunk(chunks[0], self.call.prompts[sample // self.call.params.n].token_ids, stream_start)
         return [sse.event(c) for c in chunks]
 

@@ -1,6 +1,7 @@
 """Turn each sampled sequence's logits into its next token, batched over sequences (vLLM's semantics).
 
-Order, per row: tokens outside `allowed_token_ids` masked → `logit_bias` added → stop tokens masked while
+Order, per row: tokens its constraint's grammar does not allow next masked (gpu_worker/structured.py) → tokens
+outside `allowed_token_ids` masked → `logit_bias` added → stop tokens masked while
 `min_tokens` is not reached → repetition penalty (tokens of prompt and output) → frequency and presence
 penalties (output tokens) → greedy argmax, or
 temperature → min-p → top-k → top-p → a draw from the softmax. A temperature below SAMPLING_EPS
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gpu_worker.sequence import SequenceState
+from gpu_worker.structured import mask_disallowed
 from kernels import native
 from shared.sampling import SamplingParams
 
@@ -164,13 +166,17 @@ class Sampler:
         """logits `[len(seqs), vocab]` of each sequence's last position, in the model's dtype → one token per
         sequence."""
         want_logprobs = [s.params.logprobs is not None for s in seqs]
-        edits = any(s.num_output_tokens < s.params.min_tokens or edits_logits(s.params) for s in seqs)
+        edits = any(s.num_output_tokens < s.params.min_tokens or edits_logits(s.params) or s.grammar is not None
+                    for s in seqs)
         if not edits and not any(want_logprobs) and all(s.params.greedy for s in seqs):
             return [SampledToken(t) for t in argmax(logits).tolist()]  # as widened: widening keeps the order
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
         if edits:
             logits = logits.clone()  # edited in place below; a copy costs ~1 ms at 64 rows of 32k, so only then
+            constrained = [row for row, s in enumerate(seqs) if s.grammar is not None]
+            if constrained:
+                mask_disallowed(logits, constrained, [seqs[row].grammar for row in constrained])
             apply_logit_bias(logits, seqs)
             mask_stop_tokens(logits, seqs, eos_token_ids)
             apply_penalties(logits, seqs)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gpu_worker.structured import SequenceGrammar
 from shared.protocol import NewSequence, PromptLogprob
 from shared.sampling import SamplingParams
 
@@ -22,6 +23,7 @@ class SequenceState:
     reports_prompt: bool = False
     num_cached_tokens: int | None = None
     prompt_logprobs: list[PromptLogprob] | None = None
+    grammar: SequenceGrammar | None = None  # a constrained sequence's place in its grammar
 
     @classmethod
     def from_message(cls, msg: NewSequence, prompt: list[int], params: SamplingParams) -> "SequenceState":

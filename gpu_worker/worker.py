@@ -18,6 +18,7 @@ from typing import Protocol
 
 from gpu_worker.sampler import SampledToken
 from gpu_worker.sequence import SequenceState
+from gpu_worker.structured import GrammarError, Grammars, SequenceGrammar
 from shared import model_dir as model_dirs
 from shared.protocol import BeamCandidates, ScheduledSequence, StepPlan, StepResult, TokenOutput, WorkerRegistration
 from shared.sampling import SamplingParams, finish_reason
@@ -45,9 +46,10 @@ class Runner(Protocol):
 
 
 class Worker:
-    def __init__(self, runner: Runner, registration: WorkerRegistration) -> None:
+    def __init__(self, runner: Runner, registration: WorkerRegistration, grammars: Grammars | None = None) -> None:
         self.runner = runner
         self._registration = registration
+        self.grammars = grammars  # constrained outputs; None where the device cannot run them (simulated)
         self.eos_token_ids = list(registration.eos_token_ids)
         self.vocab_size = registration.vocab_size
         self.epoch: int | None = None
@@ -70,6 +72,8 @@ class Worker:
         model_dir = model_dirs.resolve_model_dir(settings.model)
         path = model_dir.path
         runner = ModelRunner(settings, path, progress)
+        eos = list(model_dirs.eos_token_ids(path))
+        vocab = runner.model.lm_head.out_features
         return cls(runner, WorkerRegistration(
             worker_id=worker_id,
             model_id=model_dir.served_name(settings.served_model_name),
@@ -77,9 +81,9 @@ class Worker:
             num_swap_blocks=runner.cache.num_swap_blocks,
             block_size=settings.block_size,
             max_model_len=runner.max_model_len,
-            eos_token_ids=list(model_dirs.eos_token_ids(path)),
-            vocab_size=runner.model.lm_head.out_features,
-        ))
+            eos_token_ids=eos,
+            vocab_size=vocab,
+        ), Grammars(path, vocab, eos))
 
     @property
     def registration(self) -> WorkerRegistration:
@@ -97,7 +101,6 @@ class Worker:
             return StepResult(reg.worker_id, plan.epoch, plan.step_id, error=f"bad step plan: {e}")
         self._enter_epoch(plan.epoch)
         self._forget(plan.finished)
-        refusals = self._refusals(plan, failed)
         cache = self.runner.cache
         cache.swap_out(plan.swap_out)
         cache.swap_in(plan.swap_in)
@@ -105,7 +108,13 @@ class Worker:
         for msg in plan.new_sequences:
             if msg.seq_id not in failed:
                 prompt = msg.prompt_token_ids if msg.fork_of is None else self.seqs[msg.fork_of].prompt_token_ids
-                self.seqs[msg.seq_id] = SequenceState.from_message(msg, prompt, self._run_params(msg.params))
+                seq = SequenceState.from_message(msg, prompt, self._run_params(msg.params))
+                try:
+                    seq.grammar = self._grammar(seq)
+                except GrammarError as e:
+                    failed[msg.seq_id] = str(e)
+                    continue
+                self.seqs[msg.seq_id] = seq
                 self.ended.discard(msg.seq_id)  # an id named by a refused plan that never registered it
         self.ended.update(failed)
         chunks = []
@@ -121,6 +130,12 @@ class Worker:
             else:
                 seq.block_table.extend(item.new_block_ids)
             chunks.append((seq, item.num_computed_tokens, item.num_new_tokens))
+        constrained = self._constrain(chunks)
+        if constrained:
+            failed |= constrained
+            self.ended.update(constrained)
+            chunks = [c for c in chunks if c[0].seq_id not in constrained]
+        refusals = self._refusals(plan, failed)
         try:
             sampled_tokens = self.runner.execute(chunks, self.eos_token_ids)
         except Exception:
@@ -144,6 +159,30 @@ class Worker:
                                        num_cached_tokens=seq.num_cached_tokens if first else None,
                                        prompt_logprobs=seq.prompt_logprobs if first else None))
         return StepResult(reg.worker_id, plan.epoch, plan.step_id, outputs, beams=beams)
+
+    def _grammar(self, seq: SequenceState) -> SequenceGrammar | None:
+        """A constrained sequence's matcher, caught up with the output it already has (a resumed request's)."""
+        constraint = seq.params.constraint
+        if constraint is None:
+            return None
+        if self.grammars is None:
+            raise GrammarError("this worker cannot constrain outputs (a simulated device)")
+        grammar = self.grammars.start(constraint)
+        grammar.follow(seq.output_token_ids)
+        return grammar
+
+    @staticmethod
+    def _constrain(chunks: list[tuple[SequenceState, int, int]]) -> dict[int, str]:
+        """Each constrained sequence that samples in this step: its grammar takes its last token and says which
+        tokens may come next. The sequences whose grammar fails (seq id → why) are refused alone."""
+        failed = {}
+        for seq, computed, new in chunks:
+            if seq.grammar is not None and computed + new == len(seq.token_ids):
+                try:
+                    seq.grammar.prepare(seq.output_token_ids)
+                except GrammarError as e:
+                    failed[seq.seq_id] = str(e)
+        return failed
 
     def _run_params(self, params: SamplingParams) -> SamplingParams:
         """A beam's next-token candidates are the most likely tokens of the model's distribution (as in

@@ -24,6 +24,18 @@ class ParamError(ValueError):
 SAMPLING_EPS = 1e-5
 
 
+CONSTRAINT_KINDS = ("json_schema", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What a sequence's output must match (structured outputs, tool calls): compiled by llguidance on both sides of
+    the bus (shared/constraints.py), so that the gateway refuses what the worker could not run."""
+    kind: str  # one of CONSTRAINT_KINDS
+    spec: str  # the JSON schema, the regular expression, the choices as a JSON array of strings, a Lark or GBNF grammar
+    compact: bool = False  # JSON without whitespace between its tokens (vLLM's disable_any_whitespace)
+
+
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1
@@ -49,6 +61,7 @@ class SamplingParams:
     beam_width: int = 0
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    constraint: Constraint | None = None
 
     @property
     def greedy(self) -> bool:
@@ -83,6 +96,15 @@ class SamplingParams:
             _in_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
             _in_range("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        if self.constraint is not None:
+            if self.constraint.kind not in CONSTRAINT_KINDS:
+                raise ParamError("constraint", f"a constraint is one of {', '.join(CONSTRAINT_KINDS)}; got "
+                                               f"{self.constraint.kind!r}")
+            # The grammar decides where the output may end: EOS must stay allowed there, and nowhere else.
+            for name, forbidden in (("ignore_eos", self.ignore_eos), ("min_tokens", self.min_tokens),
+                                    ("beam_width", self.beam_width)):
+                if forbidden:
+                    raise ParamError(name, f"{name} does not apply to a constrained (structured) output")
         if self.beam_width:
             _in_range("beam_width", self.beam_width, self.n, MAX_BEAM_WIDTH)
             if self.logit_bias or self.allowed_token_ids:

@@ -30,6 +30,9 @@ class Settings:
                       "installed, else the tiny model")
     served_model_name: str = _opt("", "model id clients use; empty = the model's own (its directory's or .gguf "
                                   "file's name, or the built-in model's)")
+    tool_call_parser: str = _opt("", "how the model writes tool calls (vLLM's names): hermes (<tool_call> JSON, Qwen "
+                                 "and many others) or llama3_json; empty = from the chat template, else hermes",
+                                 ("", "hermes", "llama3_json"))
     dtype: str = _opt("auto", "weight and activation dtype", ("auto", "float32", "bfloat16", "float16"))
     device: str = _opt("auto", "worker device: auto picks cuda when available", ("auto", "cpu", "cuda"))
     attention_backend: str = _opt("auto", "paged attention implementation: auto = triton on cuda, cpu elsewhere; "

@@ -5,10 +5,13 @@ and bfloat16)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import jsonschema
 import openai
 import pytest
 import torch
@@ -16,6 +19,7 @@ from redis_harness import free_port
 from up_harness import FaultLoad, Phase, UpProcess, run_phase, settle
 
 from benchmarks.chat_parity import QUESTIONS as ALL_QUESTIONS
+from benchmarks.structured_workload import SCHEMAS, TOOL_QUESTIONS, TOOLS
 from shared.model_dir import CHAT_MODEL_INSTALL, CHAT_MODEL_NAME, ModelDir, chat_model_file
 from shared.sampling import SamplingParams
 from shared.settings import Settings
@@ -25,6 +29,11 @@ WORKERS = ("worker-0", "worker-1")
 QUESTIONS = ALL_QUESTIONS[:12]  # the benchmark asks all of them, in both dtypes
 ANSWER_TOKENS = 48
 STREAM_TOKENS = 64  # long enough for the kill to land mid-stream
+CONSTRAINED_TOKENS = 300  # room for LONG_SCHEMA's longest answer
+LONG_SCHEMA = {"type": "array", "minItems": 6, "maxItems": 6, "items": {  # an answer long enough to kill a worker in
+    "type": "object", "properties": {"thing": {"type": "string", "pattern": "^[a-z]{2,10}$"},
+                                     "count": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["thing", "count"], "additionalProperties": False}}
 # The stacks and their oracle engines share these, so that both hold the same KV cache.
 STACK_SETTINGS = dict(kv_cache_bytes=96 << 20, swap_space_bytes=16 << 20)
 
@@ -201,6 +210,156 @@ def test_the_top_beam_is_transformers_four_beam_search(stack32, tokenizer, hf_mo
                                  num_return_sequences=1, do_sample=False, length_penalty=1.0, early_stopping=False,
                                  eos_token_id=None)[0, len(prompt):]
     assert got.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def constrained(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+
+
+async def _ask_all(stack: Stack, asks: list[dict]) -> list:
+    client = openai.AsyncOpenAI(base_url=stack.up.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+    try:
+        return await asyncio.gather(*(client.chat.completions.create(**ask) for ask in asks))
+    finally:
+        await client.close()
+
+
+async def _stream_text(stack: Stack, ask: dict) -> tuple[str, str | None]:
+    client = openai.AsyncOpenAI(base_url=stack.up.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+    text, finish = "", None
+    try:
+        async for chunk in await client.chat.completions.create(**ask, stream=True):
+            for c in chunk.choices:
+                text += c.delta.content or ""
+                finish = c.finish_reason or finish
+    finally:
+        await client.close()
+    return text, finish
+
+
+def test_twenty_json_schemas_hold_every_answer_whole_and_streamed(stack32):
+    asks = [dict(model=CHAT_MODEL_NAME, messages=[{"role": "user", "content": q}], temperature=0, max_tokens=200,
+                 response_format=constrained(schema)) for q, schema in SCHEMAS]
+
+    async def both():
+        return await asyncio.gather(_ask_all(stack32, asks), *(_stream_text(stack32, ask) for ask in asks))
+    whole, *streamed = asyncio.run(both())
+    for (question, schema), answer, (text, finish) in zip(SCHEMAS, whole, streamed):
+        content = answer.choices[0].message.content
+        assert answer.choices[0].finish_reason == "stop", (question, content)
+        jsonschema.validate(json.loads(content), schema)
+        assert (text, finish) == (content, "stop"), "greedy: the stream is the same answer"
+    sampled = [dict(ask, temperature=1.0, seed=i) for i, ask in enumerate(asks)]
+    for (question, schema), answer in zip(SCHEMAS, asyncio.run(_ask_all(stack32, sampled))):
+        content = answer.choices[0].message.content
+        assert answer.choices[0].finish_reason == "stop", (question, content)
+        jsonschema.validate(json.loads(content), schema)
+
+
+def test_regex_choice_and_json_object_outputs_match(stack32):
+    def ask(question: str, **extra) -> str:
+        answer = stack32.client().chat.completions.create(
+            model=CHAT_MODEL_NAME, messages=[{"role": "user", "content": question}], temperature=0, max_tokens=200,
+            **extra)
+        assert answer.choices[0].finish_reason == "stop"
+        return answer.choices[0].message.content
+
+    assert re.fullmatch(r"[A-Z][a-z]+, [A-Z][a-z]+", ask("Name a city and its country.", extra_body={
+        "structured_outputs": {"regex": "[A-Z][a-z]+, [A-Z][a-z]+"}}))
+    assert ask("Is the sky blue?", extra_body={"structured_outputs": {"choice": ["yes", "no"]}}) in ("yes", "no")
+    assert isinstance(json.loads(ask("Give the capital of France as a JSON object with one key.", response_format={"type": "json_object"})),
+                      dict)
+
+
+def test_the_openai_clients_parse_returns_the_pydantic_object(stack32):
+    from pydantic import BaseModel, Field
+
+    class Capital(BaseModel):
+        city: str = Field(max_length=24)
+        country: str = Field(max_length=24)
+        population_millions: int = Field(ge=0, le=50)
+
+    answer = stack32.client().chat.completions.parse(
+        model=CHAT_MODEL_NAME, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        response_format=Capital, temperature=0, max_tokens=100)
+    parsed = answer.choices[0].message.parsed
+    assert isinstance(parsed, Capital) and parsed.city == "Paris", answer.choices[0].message.content
+
+
+def _tool_calls(chunks) -> dict[int, list[str]]:
+    calls: dict[int, list[str]] = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            for d in c.delta.tool_calls or []:
+                if d.id is not None:
+                    calls[d.index] = [d.function.name, ""]
+                calls[d.index][1] += d.function.arguments or ""
+    return calls
+
+
+@pytest.mark.parametrize("choice, parallel", [("required", False), ("required", True),
+                                              ({"type": "function", "function": {"name": "get_time"}}, True)],
+                         ids=["required", "required-parallel", "named"])
+def test_required_and_named_tool_calls_are_valid_every_time_and_stream_as_they_answer(stack32, choice, parallel):
+    """A small model asked for calls in parallel may go on calling until max_tokens: every call it finished is
+    valid, and the one cut short is not a call."""
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    asks = [dict(model=CHAT_MODEL_NAME, messages=[{"role": "user", "content": q}], tools=TOOLS, tool_choice=choice,
+                 parallel_tool_calls=parallel, temperature=0, max_tokens=120) for q in TOOL_QUESTIONS]
+    for ask, answer in zip(asks, asyncio.run(_ask_all(stack32, asks))):
+        choice_ = answer.choices[0]
+        assert choice_.message.tool_calls, choice_
+        assert choice_.finish_reason == "tool_calls" or (parallel and choice_.finish_reason == "length"), choice_
+        calls = [(c.function.name, c.function.arguments) for c in choice_.message.tool_calls]
+        assert parallel or len(calls) == 1
+        for name, arguments in calls:
+            jsonschema.validate(json.loads(arguments), schemas[name])
+            assert isinstance(choice, str) or name == "get_time"
+        if choice_.finish_reason == "tool_calls":
+            streamed = list(stack32.client().chat.completions.create(**ask, stream=True))
+            assert list(_tool_calls(streamed).values()) == [list(c) for c in calls]
+            assert streamed[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_langchain_structured_output_and_bound_tools_work_against_the_stack(stack32):
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class Weather(BaseModel):
+        """The weather in a city."""
+        city: str = Field(max_length=24)
+        sky: str = Field(pattern="^(sunny|cloudy|rainy)$")
+
+    llm = ChatOpenAI(model=CHAT_MODEL_NAME, base_url=stack32.up.url + "/v1", api_key=KEY, temperature=0,
+                     max_tokens=100, max_retries=0)
+    got = llm.with_structured_output(Weather, method="json_schema").invoke("Describe the weather in Paris.")
+    assert isinstance(got, Weather) and got.city
+    message = llm.bind_tools(TOOLS, tool_choice="get_weather").invoke("What is the weather in Paris?")
+    [call] = message.tool_calls
+    assert call["name"] == "get_weather"
+    jsonschema.validate(call["args"], TOOLS[0]["function"]["parameters"])
+
+
+def test_a_worker_killed_mid_stream_of_constrained_answers_leaves_them_as_the_fault_free_run(stack32, real_model,
+                                                                                               tokenizer):
+    """Each constrained sequence's grammar is rebuilt on the worker it moves to by replaying its tokens."""
+    schemas = [LONG_SCHEMA] * 12
+    bodies = [{"response_format": constrained(s)} for s in schemas]
+    load = FaultLoad(CHAT_MODEL_NAME, CONSTRAINED_TOKENS, KEY, WORKERS)
+    phase = Phase("worker-1", [chat_ids(tokenizer, f"List six things you see in room {i} as JSON.")
+                               for i in range(12)], extra_bodies=bodies)
+    old_pid = stack32.up.pids()["worker-1"]
+    asyncio.run(run_phase(stack32.up, load, phase))
+    settle(stack32.up, load, "worker-1", old_pid)
+    from shared.sampling import Constraint
+
+    oracle = engine(real_model, "float32", **STACK_SETTINGS).generate(phase.prompts, SamplingParams(
+        temperature=0.0, max_tokens=CONSTRAINED_TOKENS, constraint=Constraint("json_schema", json.dumps(LONG_SCHEMA))))
+    for i, (got, completion) in enumerate(zip(phase.streams, oracle)):
+        text = tokenizer.decode(completion.samples[0].token_ids, skip_special_tokens=True)
+        assert got.error is None, f"stream {i}: {got.error}"
+        assert (got.text, got.finish_reason) == (text, "stop"), f"stream {i}"
+        jsonschema.validate(json.loads(got.text), LONG_SCHEMA)
 
 
 @pytest.fixture(scope="module")

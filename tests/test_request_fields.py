@@ -22,6 +22,7 @@ from test_gateway_http import HI, KEYS, LiveGateway, answer, check_error, sse_ev
 from gateway import fields
 from gateway.fields import Field
 from shared.protocol import Request
+from shared.sampling import Constraint
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = "Paris is big. It has 東京 🚀"
@@ -49,6 +50,8 @@ VLLM = {
         "continue_final_message", "documents", "chat_template", "chat_template_kwargs", "media_io_kwargs",
         "mm_processor_kwargs", "return_prompt_text"],
     "stream_options": ["include_usage", "continuous_usage_stats"],
+    "structured_outputs": ["json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace",
+                           "disable_additional_properties", "whitespace_pattern", "structural_tag"],
     "/tokenize": ["model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
                   "continue_final_message", "return_token_strs", "chat_template", "chat_template_kwargs",
                   "response_format", "media_io_kwargs", "mm_processor_kwargs", "tools"],
@@ -118,16 +121,29 @@ def refusing_value(f: Field) -> Any:
     return next(v for v in (True, "x", 7, {"a": 1}, [1]) if f.refuses(v))
 
 
-REFUSED = [(route, f) for route in ("/v1/completions", "/v1/chat/completions")
-           for f in fields.ROUTES[route].values() if f.refused]
+NESTED = {"stream_options": {"stream": True, "stream_options": {}}, "structured_outputs": {"structured_outputs": {
+    "json_object": True}}}  # a body that uses the table's object, which a field is added to
+REFUSED = [(route, table, f) for route in ("/v1/completions", "/v1/chat/completions")
+           for table in (route, *NESTED) for f in fields.ROUTES[table].values() if f.refused]
 
 
-@pytest.mark.parametrize("route, field", REFUSED, ids=[f"{r[4:]}:{f.name}" for r, f in REFUSED])
-def test_a_refused_field_is_a_400_naming_it_and_nothing_reaches_the_bus(gw, redis_url, route, field):
-    body = {"prompt": "hi"} if route == "/v1/completions" else {"messages": HI}
-    check_error(gw.post(route, json=body | {field.name: refusing_value(field)}), 400, field.name, "not supported")
+def with_field(route: str, table: str, name: str, value: Any) -> tuple[dict, str]:
+    """The route's plain body with `name` set to `value`, at the top or in the nested table's object; its param."""
+    body = {"prompt": "hi", "max_tokens": 2} if route == "/v1/completions" else {"messages": HI, "max_tokens": 2}
+    if table == route:
+        return body | {name: value}, name
+    nested = json.loads(json.dumps(NESTED[table]))
+    nested[table][name] = value
+    return body | nested, f"{table}.{name}"
+
+
+@pytest.mark.parametrize("route, table, field", REFUSED,
+                         ids=[f"{r[4:]}:{'' if t == r else t + '.'}{f.name}" for r, t, f in REFUSED])
+def test_a_refused_field_is_a_400_naming_it_and_nothing_reaches_the_bus(gw, redis_url, route, table, field):
+    body, param = with_field(route, table, field.name, refusing_value(field))
+    check_error(gw.post(route, json=body), 400, param, "not supported")
     for nothing in field.nothing:  # values that ask for nothing pass
-        assert gw.post(route, json=body | {field.name: nothing, "max_tokens": 2}).status == 200, nothing
+        assert gw.post(route, json=with_field(route, table, field.name, nothing)[0]).status == 200, nothing
     assert redis.Redis.from_url(redis_url).xlen(KEYS.requests) == len(field.nothing)
 
 
@@ -401,6 +417,48 @@ def _prompt_text(p: Probing) -> None:
     assert "prompt_text" not in p.post()[0]
 
 
+SCHEMA = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+SCHEMA_TEXT = json.dumps(SCHEMA)
+CONSTRAINTS = {  # field: (what is sent, the constraint the bus carries)
+    "response_format": ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA,
+                                                                                   "strict": True}}},
+                        Constraint("json_schema", SCHEMA_TEXT)),
+    "json_object": ({"response_format": {"type": "json_object"}}, Constraint("json_schema", '{"type": "object"}')),
+    "structured_outputs": ({"structured_outputs": {"json": SCHEMA}}, Constraint("json_schema", SCHEMA_TEXT)),
+    "json": ({"structured_outputs": {"json": SCHEMA_TEXT}}, Constraint("json_schema", SCHEMA_TEXT)),
+    "regex": ({"structured_outputs": {"regex": "[0-9]{3}"}}, Constraint("regex", "[0-9]{3}")),
+    "choice": ({"structured_outputs": {"choice": ["yes", "no"]}}, Constraint("choice", '["yes", "no"]')),
+    "grammar": ({"structured_outputs": {"grammar": 'start: "yes" | "no"'}}, Constraint("grammar", 'start: "yes" | "no"')),
+    "disable_any_whitespace": ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+                               Constraint("json_schema", SCHEMA_TEXT, compact=True)),
+    "guided_json": ({"guided_json": SCHEMA}, Constraint("json_schema", SCHEMA_TEXT)),
+    "guided_regex": ({"guided_regex": "[0-9]{3}"}, Constraint("regex", "[0-9]{3}")),
+    "guided_choice": ({"guided_choice": ["yes", "no"]}, Constraint("choice", '["yes", "no"]')),
+    "guided_grammar": ({"guided_grammar": 'start: "yes"'}, Constraint("grammar", 'start: "yes"')),
+}
+
+
+@probe(*CONSTRAINTS)
+def _constraint(p: Probing) -> None:
+    """The bus carries the constraint (the worker's masks keep the output to it: test_structured_outputs.py)."""
+    sent, carried = CONSTRAINTS[p.name]
+    assert p.post(**sent)[1].params.constraint == carried
+    assert p.post(response_format={"type": "text"})[1].params.constraint is None
+
+
+TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"tz": {"type": "string"}}}}}
+
+
+@probe("tools", "tool_choice", "parallel_tool_calls")
+def _tools(p: Probing) -> None:
+    """The bus carries the grammar of the model's calls (the answer read for calls: test_tools.py)."""
+    auto = p.post(tools=[TOOL])[1].params.constraint
+    assert auto.kind == "grammar" and '"get_time"' in auto.spec and "more*" in auto.spec
+    assert p.post(tools=[TOOL], tool_choice="none")[1].params.constraint is None
+    assert "more*" not in p.post(tools=[TOOL], tool_choice="required", parallel_tool_calls=False)[1].params.constraint.spec
+
+
 def text_of(answer_: dict) -> str:
     choice = answer_["choices"][0]
     return choice["text"] if "text" in choice else choice["message"]["content"]
@@ -415,7 +473,8 @@ def text_of_stream(streamed: str) -> str:
 
 
 HONOURED = [(route, f.name) for route in ("/v1/completions", "/v1/chat/completions")
-            for f in [*fields.ROUTES[route].values(), *fields.STREAM_OPTIONS.values()] if not f.refused]
+            for f in [*fields.ROUTES[route].values(), *fields.STREAM_OPTIONS.values(),
+                      *fields.STRUCTURED_OUTPUTS.values()] if not f.refused]
 
 
 def test_every_honoured_field_has_a_probe():

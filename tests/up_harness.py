@@ -62,13 +62,15 @@ class Phase:
     prompts: list[list[int]]
     streams: list[Streamed] = field(default_factory=list)
     recovery_s: float = 0.0  # from the kill to the first new request served
+    extra_bodies: list[dict] | None = None  # per prompt, the fields beside the load's (default: ignore EOS)
 
 
-async def _stream(client: openai.AsyncOpenAI, load: FaultLoad, prompt: list[int], out: Streamed) -> None:
+async def _stream(client: openai.AsyncOpenAI, load: FaultLoad, prompt: list[int], out: Streamed,
+                  extra_body: dict) -> None:
     try:
         response = await client.completions.create(
             model=load.model, prompt=prompt, max_tokens=load.max_tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            stream_options={"include_usage": True}, extra_body=extra_body)
         async for chunk in response:
             for choice in chunk.choices:
                 out.text += choice.text
@@ -98,7 +100,9 @@ async def run_phase(up: UpProcess, load: FaultLoad, phase: Phase) -> None:
     client = load.client(up)
     try:
         phase.streams = [Streamed() for _ in phase.prompts]
-        tasks = [asyncio.create_task(_stream(client, load, p, s)) for p, s in zip(phase.prompts, phase.streams)]
+        bodies = phase.extra_bodies or [{"ignore_eos": True}] * len(phase.prompts)
+        tasks = [asyncio.create_task(_stream(client, load, p, s, b))
+                 for p, s, b in zip(phase.prompts, phase.streams, bodies)]
 
         async def begun() -> None:
             while not all(s.chunks >= 2 for s in phase.streams) and not any(t.done() for t in tasks):

@@ -1,0 +1,306 @@
+"""Tool calling (chat): the tools a call offers, the grammar that keeps a model's calls to them valid, and the parser
+that turns its output back into OpenAI's `tool_calls`, whole or streamed.
+
+A model writes its calls in its family's format (vLLM's `--tool-call-parser`): `hermes`, each call a JSON object
+`{"name": ..., "arguments": {...}}` between `<tool_call>` and `</tool_call>` after any text (Qwen2.5, Qwen3, Hermes and
+many others); `llama3_json`, the whole answer one or more `{"name": ..., "parameters": {...}}` objects separated by
+`;` (Llama 3.1-3.3). The constraint is written in that same format: `required` and a named function allow calls alone
+(the named one's schema only); `auto` allows free text, and once the model opens a call, only a valid call. So the
+parser below meets only calls it can read, and the model writes the format it was trained on.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from shared.sampling import Constraint
+
+# Whitespace inside a call's JSON, bounded (see shared/constraints.py: a small model can spend every token on it).
+JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,16}"
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    name: str
+    description: str | None
+    parameters: str  # its JSON schema's text (a schema is an object; kept as text so that the value is hashable)
+
+    def for_template(self) -> dict[str, Any]:
+        function = {"name": self.name, "parameters": json.loads(self.parameters)}
+        if self.description is not None:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolUse:
+    """What a chat call says about tools: which it offers, whether the model may, must or must not call one, and
+    whether it may call several."""
+    tools: tuple[Tool, ...]
+    choice: str  # "none", "auto", "required", or "function" (the one named by `function`)
+    function: str | None = None
+    parallel: bool = True
+
+    @property
+    def callable(self) -> tuple[Tool, ...]:
+        return tuple(t for t in self.tools if self.choice != "function" or t.name == self.function)
+
+
+@dataclass(frozen=True, slots=True)
+class CallFormat:
+    """How a model family writes its calls."""
+    name: str
+    open: str  # what starts a call ("" where a call is the whole answer)
+    close: str
+    args_key: str  # the key of a call's arguments
+    separator: str  # between calls, beside whitespace
+
+
+HERMES = CallFormat("hermes", "<tool_call>", "</tool_call>", "arguments", "")
+LLAMA3_JSON = CallFormat("llama3_json", "", "", "parameters", ";")
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON)}
+
+
+def call_format(setting: str, chat_template: str | None) -> CallFormat:
+    """The format the setting names, else the one the chat template writes (hermes where it cannot tell)."""
+    if setting:
+        return FORMATS[setting]
+    if chat_template and "<tool_call>" not in chat_template and "<|python_tag|>" in chat_template:
+        return LLAMA3_JSON
+    return HERMES
+
+
+def _call_schema(tools: tuple[Tool, ...], fmt: CallFormat) -> dict[str, Any]:
+    calls = [{"type": "object", "properties": {"name": {"const": t.name}, fmt.args_key: json.loads(t.parameters)},
+              "required": ["name", fmt.args_key], "additionalProperties": False} for t in tools]
+    schema: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return schema | {"x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text)
+
+
+def constraint(use: ToolUse, fmt: CallFormat) -> Constraint | None:
+    """The grammar (Lark, for llguidance) that keeps the output to `use` in `fmt`; None where nothing is forced."""
+    if use.choice == "none" or not use.tools:
+        return None
+    call = f"%json {json.dumps(_call_schema(use.callable, fmt))}"
+    more = " more*" if use.parallel and use.choice != "function" else ""  # a named function is called once
+    lines = []
+    if fmt.open:
+        opener, closer = _lark_string(fmt.open), _lark_string(fmt.close)
+        lines.append(f"call: WS {call} WS {closer}")
+        lines.append(f"more: WS {opener} call")
+        calls = f"{opener} call{more}"
+        if use.choice == "auto":
+            # free text that never opens a call, or text up to the first opening and calls after it
+            lines.append(f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{re.escape(fmt.open)}(.|\\n)*/")
+            lines.append(f"pre[stop={opener}]: /(.|\\n)*/")
+            start = f"TEXT | pre call{more}"
+        else:
+            start = calls
+    else:
+        lines.append(f"call: {call}")
+        lines.append(f"more: WS {_lark_string(fmt.separator)} WS call")
+        calls = f"call{more}"
+        if use.choice == "auto":
+            lines.append("TEXT: /([^{](.|\\n)*)?/")  # an answer that does not start as a call
+            start = f"TEXT | {calls}"
+        else:
+            start = calls
+    lines.append("WS: /[ \\n]{0,4}/")
+    return Constraint("grammar", "\n".join([f"start: {start}", *lines]))
+
+
+@dataclass(frozen=True, slots=True)
+class CallDelta:
+    """Part of one tool call: its first part names it (with its id), the others add to its arguments' text."""
+    index: int
+    id: str | None
+    name: str | None
+    arguments: str
+
+    def as_chunk(self) -> dict[str, Any]:
+        if self.name is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        return {"index": self.index, "id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """What some output text amounts to: answer text, and parts of tool calls."""
+    content: str = ""
+    calls: tuple[CallDelta, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str
+
+    def as_message(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class CallParser:
+    """Reads a model's output as it arrives, in its format: answer text passes through (less any that might be
+    the start of a call), each call comes out as its name, then its arguments' text as it is written.
+    The whole answer is the same parser fed all text at once (`parse`), so streamed deltas add up to it."""
+
+    TEXT, HEAD, ARGS, TAIL, PLAIN = range(5)
+
+    def __init__(self, fmt: CallFormat) -> None:
+        self.fmt = fmt
+        self.state = self.TEXT
+        self.pending = ""  # text read but not yet given out
+        self.opened: list[CallDelta] = []  # each call's first part: its index, id and name
+        self.arguments: list[str] = []  # each call's arguments' text so far
+        self.complete = 0  # calls whose arguments have ended (one cut short by max_tokens has not)
+        self.head = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"' + re.escape(fmt.args_key)
+                               + r'"\s*:\s*')
+        self.depth = 0  # the arguments' JSON nesting so far
+        self.in_string = self.escaped = False
+
+    def feed(self, text: str) -> Piece:
+        self.pending += text
+        content: list[str] = []
+        deltas: list[CallDelta] = []
+        while self.pending:
+            before = (self.state, len(self.pending))
+            if self.state == self.PLAIN:
+                content.append(self.pending)
+                self.pending = ""
+            elif self.state == self.TEXT:
+                content.append(self._text())
+            elif self.state == self.HEAD:
+                self._head(deltas, content)
+            elif self.state == self.ARGS:
+                self._args(deltas)
+            else:
+                self._tail()
+            if (self.state, len(self.pending)) == before:
+                break  # waiting for more text
+        return Piece("".join(content), tuple(deltas))
+
+    def finish(self) -> Piece:
+        """The end of the output: text held back because it might have begun a call is answer text after all."""
+        rest, self.pending = self.pending, ""
+        if self.state in (self.TEXT, self.PLAIN, self.HEAD) and rest.strip():
+            return Piece(rest)
+        return Piece()
+
+    def _text(self) -> str:
+        """Answer text up to a call's opening (or, for a format whose calls are the whole answer, its start)."""
+        fmt = self.fmt
+        if not fmt.open:
+            stripped = self.pending.lstrip()
+            if self.opened and stripped.startswith(fmt.separator):
+                stripped = stripped[len(fmt.separator):].lstrip()
+            if not stripped:
+                return ""
+            if stripped[0] == "{":
+                self.state, self.pending = self.HEAD, stripped
+                return ""
+            self.state = self.PLAIN
+            return ""
+        at = self.pending.find(fmt.open)
+        if at >= 0:
+            text, self.pending = self.pending[:at], self.pending[at + len(fmt.open):]
+            self.state = self.HEAD
+        else:
+            keep = next((k for k in range(min(len(fmt.open) - 1, len(self.pending)), 0, -1)
+                         if fmt.open.startswith(self.pending[-k:])), 0)
+            text, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+        return text if not self.opened or text.strip() else ""  # whitespace between calls is no answer
+
+    def _head(self, deltas: list[CallDelta], content: list[str]) -> None:
+        """A call's name, once its JSON has said it (the grammar writes the name first)."""
+        match = self.head.match(self.pending)
+        if match is not None and self.pending[match.end():]:
+            deltas.append(self._open(json.loads(f'"{match[1]}"'), ""))
+            self.pending = self.pending[match.end():]
+            self.state, self.depth, self.in_string, self.escaped = self.ARGS, 0, False, False
+            return
+        if self.fmt.open and self.fmt.close in self.pending:
+            # a call the parser cannot read as it goes (keys in another order): read it whole, or keep it as text
+            body, _, self.pending = self.pending.partition(self.fmt.close)
+            self.state = self.TEXT
+            try:
+                call = json.loads(body)
+                name, args = call["name"], call[self.fmt.args_key]
+                if not isinstance(name, str):
+                    raise TypeError(name)
+            except (ValueError, KeyError, TypeError):
+                content.append(self.fmt.open + body + self.fmt.close)
+                return
+            deltas.append(self._open(name, json.dumps(args)))
+            self.complete += 1
+
+    def _open(self, name: str, arguments: str) -> CallDelta:
+        opened = CallDelta(len(self.opened), call_id(), name, arguments)
+        self.opened.append(opened)
+        self.arguments.append(arguments)
+        return opened
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        """The calls read whole so far."""
+        return [ToolCall(o.id, o.name, args) for o, args in zip(self.opened[:self.complete], self.arguments)]
+
+    def _args(self, deltas: list[CallDelta]) -> None:
+        """The arguments' JSON as it is written, up to where its value ends."""
+        end = None
+        for i, ch in enumerate(self.pending):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    end = i + 1
+                    break
+        piece = self.pending if end is None else self.pending[:end]
+        self.pending = "" if end is None else self.pending[end:]
+        if piece:
+            self.arguments[-1] += piece
+            deltas.append(CallDelta(len(self.opened) - 1, None, None, piece))
+        if end is not None:
+            self.state = self.TAIL
+            self.complete += 1
+
+    def _tail(self) -> None:
+        """The call's closing brace, and its closing tag."""
+        end = self.fmt.close or "}"
+        at = self.pending.find(end if self.fmt.close else "}")
+        if at < 0:
+            return
+        if self.fmt.close and "}" not in self.pending[:at]:
+            return
+        self.pending = self.pending[at + len(end):]
+        self.state = self.TEXT
+
+
+def parse(fmt: CallFormat, text: str) -> tuple[str, list[ToolCall]]:
+    """A whole answer: its text (less its calls) and its calls."""
+    parser = CallParser(fmt)
+    content = parser.feed(text).content + parser.finish().content
+    return content, parser.calls
+
