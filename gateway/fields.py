@@ -103,8 +103,8 @@ _SAMPLING = (
     _honoured("guided_choice", VLLM, "vLLM's older name of structured_outputs.choice"),
     _honoured("guided_grammar", VLLM, "vLLM's older name of structured_outputs.grammar"),
     _refused("guided_decoding_backend", VLLM, "llguidance is the one backend", "auto", "llguidance", "guidance"),
-    _refused("guided_whitespace_pattern", VLLM, "whitespace in JSON is flexible, or none with "
-             "structured_outputs.disable_any_whitespace"),
+    _refused("guided_whitespace_pattern", VLLM, "whitespace between JSON tokens is up to 16 characters, or none "
+             "with structured_outputs.disable_any_whitespace"),
     _refused("logits_processors", VLLM, "removed from vLLM; no custom logits processors"),
 )
 
@@ -175,7 +175,8 @@ STRUCTURED_OUTPUTS = _table(
     _honoured("json_object", VLLM, "any JSON object"),
     _honoured("disable_any_whitespace", VLLM, "JSON with no whitespace between its tokens"),
     _refused("disable_additional_properties", VLLM, "a schema says additionalProperties itself", False),
-    _refused("whitespace_pattern", VLLM, "whitespace in JSON is flexible, or none (disable_any_whitespace)"),
+    _refused("whitespace_pattern", VLLM, "whitespace between JSON tokens is up to 16 characters, or none "
+             "(disable_any_whitespace)"),
     _refused("structural_tag", VLLM, "send `tools`: the server writes the grammar of the model's calls"),
 )
 

@@ -3,10 +3,11 @@
 A sequence's matcher is rebuilt from its output tokens whenever it starts here (new, recomputed after preemption,
 moved after a worker died, resumed by a new scheduler): `follow` replays what it has not consumed yet, so the masks,
 and with them a greedy or seeded sequence's tokens, are the same as if nothing had happened. Compiled grammars are
-kept by constraint and copied for each sequence (a copy costs microseconds, a compile about a millisecond).
+kept by constraint and copied for each sequence (a copy is far cheaper than a compile: RESULTS.md).
 """
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 from shared import constraints
 from shared.sampling import Constraint
 
+log = logging.getLogger(__name__)
 MAX_GRAMMARS = 256  # compiled grammars kept, the least recently used dropped first
 _BITS = torch.arange(32, dtype=torch.int32)
 
@@ -48,25 +50,29 @@ class SequenceGrammar:
 
 
 class Grammars:
-    """The worker's compiled grammars, for its model's tokenizer (built on the first constrained sequence)."""
+    """The worker's compiled grammars, for its model's tokenizer (llguidance's view of it is built when the worker
+    loads, about a second for a large vocabulary, so that no step waits for it)."""
 
     def __init__(self, model_dir: Path, vocab_size: int, eos_token_ids: list[int]) -> None:
-        self.model_dir = model_dir
         self.vocab_size = vocab_size
-        self.eos_token_ids = eos_token_ids
-        self.tokenizer: Any = None
         self.compiled: OrderedDict[Constraint, Any] = OrderedDict()
+        self.unusable: str | None = None  # why this model's tokenizer cannot be constrained, if it cannot
+        try:
+            self.tokenizer = constraints.tokenizer(_tokenizer_json(model_dir), vocab_size, eos_token_ids)
+        except (ValueError, RuntimeError, OSError) as e:
+            self.tokenizer, self.unusable = None, f"llguidance cannot read this model's tokenizer: {e}"
+            log.warning("structured outputs are off on this worker: %s", self.unusable)
 
     def start(self, constraint: Constraint) -> SequenceGrammar:
         from llguidance import LLMatcher
 
+        if self.tokenizer is None:
+            raise GrammarError(self.unusable)
         template = self.compiled.get(constraint)
         if template is None:
-            if self.tokenizer is None:
-                text = (self.model_dir / "tokenizer.json").read_text()
-                self.tokenizer = constraints.tokenizer(text, self.vocab_size, self.eos_token_ids)
             try:
-                template = LLMatcher(self.tokenizer, constraints.grammar(constraint), limits=constraints.limits(), log_level=0)
+                template = LLMatcher(self.tokenizer, constraints.grammar(constraint), limits=constraints.limits(),
+                                     log_level=0)
             except constraints.ConstraintError as e:
                 raise GrammarError(f"the constraint does not compile: {e}") from None
             if template.is_error():
@@ -76,6 +82,16 @@ class Grammars:
                 self.compiled.popitem(last=False)
         self.compiled.move_to_end(constraint)
         return SequenceGrammar(template.deep_copy(), self.vocab_size)
+
+
+def _tokenizer_json(model_dir: Path) -> str:
+    """The model's tokenizer as `tokenizer.json` text (a checkpoint with only a slow tokenizer: converted)."""
+    path = model_dir / "tokenizer.json"
+    if path.is_file():
+        return path.read_text()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True).backend_tokenizer.to_str()
 
 
 def mask_disallowed(logits: torch.Tensor, rows: list[int], grammars: list[SequenceGrammar]) -> None:

@@ -2,9 +2,9 @@
 torch): the gateway checks that a request's constraint compiles before the request is queued, and the worker builds
 each constrained sequence's matcher from the same grammar, under the same resource limits.
 
-llguidance was chosen over xgrammar by measurement (benchmarks/grammar_backends.py, RESULTS.md): its masks cost
-about as much per token, it compiles a grammar in about a millisecond and lazily, it bounds every compile and every
-mask by fuel limits, and it needs no torch, which the gateway does not have.
+llguidance rather than xgrammar: it needs no torch, which the gateway does not have, so both sides of the bus compile
+with one library; it compiles lazily (a schema in about a millisecond) and bounds every compile and every mask by the
+fuel limits below; its masks' cost on the real model is in RESULTS.md (benchmarks/structured_outputs.py).
 """
 from __future__ import annotations
 
