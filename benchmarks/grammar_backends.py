@@ -104,6 +104,12 @@ class Xgrammar:
         return matcher.accept_token(token)
 
 
+def version(dist: str) -> str:
+    from importlib.metadata import version as of
+
+    return of(dist)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("answers", help="the file `python -m benchmarks.structured_outputs --answers FILE` writes")
@@ -119,7 +125,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{len(answers)} answers of {len(saved['answers'])} finished; vocabulary {vocab}\n")
     print("| backend | compile ms, median (max) | mask µs per token, median (p99) | answers walked | "
           "workload schemas compiled | extra schemas compiled |\n|---|---|---|---|---|---|")
-    for backend in (Llguidance(model_dir, vocab, eos), Xgrammar(model_dir, vocab, eos)):
+    for kind in (Llguidance, Xgrammar):
+        try:
+            backend = kind(model_dir, vocab, eos)
+        except ImportError as e:
+            print(f"| {kind.name} | not installed here: {e} |")
+            continue
         compiles, masks, walked, failed = [], [], 0, 0
         for answer in answers:
             try:
@@ -145,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
             except Exception:  # noqa: BLE001 - each library raises its own kinds for an unsupported schema
                 pass
         masks.sort()
-        print(f"| {backend.name} | {statistics.median(compiles) * 1e3:.2f} ({max(compiles) * 1e3:.2f}) | "
+        print(f"| {backend.name} {version(backend.name)} | {statistics.median(compiles) * 1e3:.2f} ({max(compiles) * 1e3:.2f}) | "
               f"{statistics.median(masks) * 1e6:.0f} ({masks[int(len(masks) * 0.99)] * 1e6:.0f}) | "
               f"{walked}/{len(answers)} | {len(answers) - failed}/{len(answers)} | {len(covered)}/{len(EXTRA_SCHEMAS)}: "
               f"not {', '.join(sorted(set(EXTRA_SCHEMAS) - set(covered))) or '-'} |", flush=True)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from kernels import native
 from shared import constraints
 from shared.sampling import Constraint
 
@@ -95,9 +96,16 @@ def _tokenizer_json(model_dir: Path) -> str:
 
 
 def mask_disallowed(logits: torch.Tensor, rows: list[int], grammars: list[SequenceGrammar]) -> None:
-    """Set the logits of the tokens each row's grammar does not allow next (SequenceGrammar.prepare) to -inf."""
+    """Set the logits of the tokens each row's grammar does not allow next (SequenceGrammar.prepare) to -inf: in
+    place by kernels/cpu_mask.c on the CPU, else by unpacking the bits with torch."""
     vocab = logits.shape[1]
     words = torch.stack([g.words for g in grammars])
+    kernel = native.load() if logits.device.type == "cpu" and logits.dtype in native.DTYPE_CODES else None
+    if kernel is not None and logits.stride(-1) == 1:
+        index = torch.tensor(rows, dtype=torch.int64)
+        kernel.rows_mask_bits(native.DTYPE_CODES[logits.dtype], logits.data_ptr(), logits.stride(0), vocab, len(rows),
+                              index.data_ptr(), words.data_ptr(), words.shape[1])
+        return
     allowed = ((words.unsqueeze(-1) >> _BITS) & 1).view(len(rows), -1)[:, :vocab].bool()
     index = torch.tensor(rows)
     logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "cpu_attention.c", HERE / "cpu_linear.c", HERE / "cpu_norm.c", HERE / "cpu_act.c",
-           HERE / "cpu_rotary.c", HERE / "cpu_argmax.c")
+           HERE / "cpu_rotary.c", HERE / "cpu_argmax.c", HERE / "cpu_mask.c")
 HEADERS = (HERE / "bf16.h", HERE / "silu.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fno-math-errno")
 STALE_S = 7 * 24 * 3600
@@ -80,7 +80,7 @@ def _remove_stale(target: Path) -> None:
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The kernel library with its entry points typed (`paged_attention`, `bf16_linear` and `f32_linear` with their
-    packing, `bf16_rms_norm`, `bf16_silu_mul`, `bf16_rotary`, `rows_argmax`), or None when it cannot be built here
+    packing, `bf16_rms_norm`, `bf16_silu_mul`, `bf16_rotary`, `rows_argmax`, `rows_mask_bits`), or None when it cannot be built here
     (logged)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
@@ -142,4 +142,6 @@ def load() -> ctypes.CDLL | None:
     lib.bf16_rotary.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64]
     lib.rows_argmax.restype = ctypes.c_int
     lib.rows_argmax.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _I64, _PTR]
+    lib.rows_mask_bits.restype = ctypes.c_int
+    lib.rows_mask_bits.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64]
     return lib

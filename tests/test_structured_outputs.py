@@ -157,3 +157,31 @@ def test_a_constraint_the_worker_could_not_run_is_a_400_naming_it_before_anythin
     import redis
 
     assert redis.Redis.from_url(redis_url).xlen(KEYS.requests) == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("vocab", [512, 1000])  # a whole number of 32-bit words, and not
+def test_the_mask_leaves_exactly_the_allowed_tokens_of_exactly_the_constrained_rows(dtype, vocab):
+    """kernels/cpu_mask.c (and torch's unpacking where the kernels are not built) against each bit read one by one."""
+    import torch
+
+    from gpu_worker.structured import SequenceGrammar, mask_disallowed
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, vocab, generator=gen).to(getattr(torch, dtype))
+    rows = [0, 2, 3]
+    grammars = []
+    for kind in ("random", "none", "all"):
+        g = SequenceGrammar(None, vocab)
+        g.words = {"random": torch.randint(-2**31, 2**31 - 1, (g.words.numel(),), dtype=torch.int32, generator=gen),
+                   "none": torch.zeros_like(g.words), "all": torch.full_like(g.words, -1)}[kind]
+        grammars.append(g)
+    expected = logits.clone()
+    for row, g in zip(rows, grammars):
+        for t in range(vocab):
+            if not (int(g.words[t // 32]) >> (t % 32)) & 1:
+                expected[row, t] = float("-inf")
+    for contiguous in (True, False):  # a strided view takes the torch path
+        got = logits.clone() if contiguous else logits.t().contiguous().t()
+        mask_disallowed(got, rows, grammars)
+        assert torch.equal(got, expected)
