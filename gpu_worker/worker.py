@@ -18,7 +18,7 @@ from typing import Protocol
 
 from gpu_worker.sampler import SampledToken
 from gpu_worker.sequence import SequenceState
-from gpu_worker.structured import GrammarError, Grammars, SequenceGrammar
+from gpu_worker.structured import Grammars, SequenceGrammar
 from shared import model_dir as model_dirs
 from shared.protocol import BeamCandidates, ScheduledSequence, StepPlan, StepResult, TokenOutput, WorkerRegistration
 from shared.sampling import SamplingParams, finish_reason
@@ -109,11 +109,11 @@ class Worker:
             if msg.seq_id not in failed:
                 prompt = msg.prompt_token_ids if msg.fork_of is None else self.seqs[msg.fork_of].prompt_token_ids
                 seq = SequenceState.from_message(msg, prompt, self._run_params(msg.params))
-                try:
-                    seq.grammar = self._grammar(seq)
-                except GrammarError as e:
-                    failed[msg.seq_id] = str(e)
-                    continue
+                if seq.params.constraint is not None:
+                    if self.grammars is None:
+                        failed[msg.seq_id] = "this worker cannot constrain outputs (a simulated device)"
+                        continue
+                    seq.grammar = SequenceGrammar(seq.params.constraint, self.vocab_size)
                 self.seqs[msg.seq_id] = seq
                 self.ended.discard(msg.seq_id)  # an id named by a refused plan that never registered it
         self.ended.update(failed)
@@ -130,20 +130,25 @@ class Worker:
             else:
                 seq.block_table.extend(item.new_block_ids)
             chunks.append((seq, item.num_computed_tokens, item.num_new_tokens))
-        constrained = self._constrain(chunks)
-        if constrained:
-            failed |= constrained
-            self.ended.update(constrained)
-            chunks = [c for c in chunks if c[0].seq_id not in constrained]
-        refusals = self._refusals(plan, failed)
+        if self.grammars is not None:
+            self.grammars.prepare([(seq.grammar, seq.output_token_ids) for seq, computed, new in chunks
+                                   if seq.grammar is not None and computed + new == len(seq.token_ids)])
         try:
             sampled_tokens = self.runner.execute(chunks, self.eos_token_ids)
         except Exception:
             self.ended.update(self._step_seq_ids(plan))
             raise
-        outputs = refusals
+        # a sequence whose grammar failed (it rejects the output a resumed request brings, or its work ran out of
+        # fuel) is failed alone: its token, sampled unconstrained, is dropped
+        broken = {seq.seq_id: seq.grammar.error for seq, _ in sampled_tokens
+                  if seq.grammar is not None and seq.grammar.error is not None}
+        failed |= broken
+        self.ended.update(broken)
+        outputs = self._refusals(plan, failed)
         beams = []
         for seq, sampled in sampled_tokens:
+            if seq.seq_id in broken:
+                continue
             if seq.params.beam_width:  # the scheduler ranks the beams' candidates and chooses
                 beams.append(BeamCandidates(seq.seq_id, sampled.top_logprobs))
                 continue
@@ -159,30 +164,6 @@ class Worker:
                                        num_cached_tokens=seq.num_cached_tokens if first else None,
                                        prompt_logprobs=seq.prompt_logprobs if first else None))
         return StepResult(reg.worker_id, plan.epoch, plan.step_id, outputs, beams=beams)
-
-    def _grammar(self, seq: SequenceState) -> SequenceGrammar | None:
-        """A constrained sequence's matcher, caught up with the output it already has (a resumed request's)."""
-        constraint = seq.params.constraint
-        if constraint is None:
-            return None
-        if self.grammars is None:
-            raise GrammarError("this worker cannot constrain outputs (a simulated device)")
-        grammar = self.grammars.start(constraint)
-        grammar.follow(seq.output_token_ids)
-        return grammar
-
-    @staticmethod
-    def _constrain(chunks: list[tuple[SequenceState, int, int]]) -> dict[int, str]:
-        """Each constrained sequence that samples in this step: its grammar takes its last token and says which
-        tokens may come next. The sequences whose grammar fails (seq id → why) are refused alone."""
-        failed = {}
-        for seq, computed, new in chunks:
-            if seq.grammar is not None and computed + new == len(seq.token_ids):
-                try:
-                    seq.grammar.prepare(seq.output_token_ids)
-                except GrammarError as e:
-                    failed[seq.seq_id] = str(e)
-        return failed
 
     def _run_params(self, params: SamplingParams) -> SamplingParams:
         """A beam's next-token candidates are the most likely tokens of the model's distribution (as in
