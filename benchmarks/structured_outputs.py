@@ -17,6 +17,7 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
+from benchmarks.step_profile import Clock
 from benchmarks.structured_workload import SCHEMAS
 from shared.model_dir import CHAT_MODEL_NAME, resolve_model_dir
 from shared.sampling import Constraint, SamplingParams
@@ -29,39 +30,26 @@ LONG = {"type": "array", "minItems": 40, "maxItems": 40, "items": {
     "required": ["thing", "count"], "additionalProperties": False}}
 
 
-class GrammarClock:
-    """Seconds of the worker's grammar work: on its own thread (SequenceGrammar.prepare: a first compile, the
-    tokens since the last step, the mask), and on the step's path (the sampler's mask_disallowed: waiting for that
-    work where it outlasts the forward pass, then the fill)."""
+@contextmanager
+def grammar_clock() -> Iterator[Clock]:
+    """Wall seconds of the worker's grammar work: on its own thread ("thread": SequenceGrammar.prepare, a first
+    compile, the tokens since the last step, the mask), and on the step's path ("path": the sampler's
+    mask_disallowed, waiting for that work where it outlasts the forward pass, then the fill)."""
+    from gpu_worker import sampler, structured
 
-    def __init__(self) -> None:
-        self.seconds = {"thread": 0.0, "path": 0.0}
-
-    @contextmanager
-    def installed(self) -> Iterator[None]:
-        from gpu_worker import sampler, structured
-
-        prepare, fill = structured.SequenceGrammar.prepare, sampler.mask_disallowed
-
-        def timed(fn, part):
-            def run(*args, **kwargs):
-                start = time.perf_counter()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    self.seconds[part] += time.perf_counter() - start
-            return run
-        structured.SequenceGrammar.prepare = timed(prepare, "thread")
-        sampler.mask_disallowed = timed(fill, "path")
-        try:
-            yield
-        finally:
-            structured.SequenceGrammar.prepare, sampler.mask_disallowed = prepare, fill
+    clock = Clock(now=time.perf_counter)
+    prepare, fill = structured.SequenceGrammar.prepare, sampler.mask_disallowed
+    structured.SequenceGrammar.prepare = clock.wrap("thread", prepare)
+    sampler.mask_disallowed = clock.wrap("path", fill)
+    try:
+        yield clock
+    finally:
+        structured.SequenceGrammar.prepare, sampler.mask_disallowed = prepare, fill
 
 
 def step_times(model_path, dtype: str, sequences: int, constrained: int, steps: int
                ) -> tuple[list[float], dict[str, float]]:
-    """Decode step times (seconds) with `constrained` of `sequences` constrained, and GrammarClock's seconds."""
+    """Decode step times (seconds) with `constrained` of `sequences` constrained, and grammar_clock's seconds."""
     from transformers import AutoTokenizer
 
     from pagedserve.engine import Engine
@@ -83,9 +71,8 @@ def step_times(model_path, dtype: str, sequences: int, constrained: int, steps: 
         engine.step()
         if all(len(c.samples[0].token_ids) >= 2 for c in engine.completions.values()):
             break
-    clock = GrammarClock()
     times = []
-    with clock.installed():
+    with grammar_clock() as clock:
         for _ in range(steps):
             start = time.perf_counter()
             outputs = engine.step()
