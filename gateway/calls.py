@@ -58,6 +58,7 @@ class GenerateCall:
     prompt_text: str | None = None  # chat's return_prompt_text
     user: str | None = None
     tool_format: CallFormat | None = None  # chat with tools it may call: how the answers' calls are read
+    named_tool: bool = False  # tool_choice named the function: its call ends the choice as `stop` (OpenAI's)
 
     @property
     def work(self) -> int:
@@ -131,17 +132,19 @@ def chat_call(req: ChatRequest, model: ServedModel) -> GenerateCall:
     echo = (last.content if last.role == role else "",) if req.echo else None
     return _call(model, prompts, params, choices, ranked, sampling, logprobs=req.logprobs, echo=echo,
                  response_role=role, prompt_text=rendered.text if req.return_prompt_text else None,
-                 user=sampling.user or req.safety_identifier, tool_format=tool_format)
+                 user=sampling.user or req.safety_identifier, tool_format=tool_format,
+                 named_tool=use is not None and use.choice == "function")
 
 
 def _call(model: ServedModel, prompts: list[Prompt], params: SamplingParams, choices: int, ranked: bool,
           s: Sampling, *, logprobs: int | None, echo: tuple[str, ...] | None, user: str | None,
           echo_logprobs: bool = False, hide_output: bool = False, response_role: str = ASSISTANT,
-          prompt_text: str | None = None, tool_format: CallFormat | None = None) -> GenerateCall:
+          prompt_text: str | None = None, tool_format: CallFormat | None = None,
+          named_tool: bool = False) -> GenerateCall:
     return GenerateCall(model.name, tuple(prompts), params, choices, ranked, logprobs, s.prompt_logprobs, echo,
                         echo_logprobs, hide_output, s.stop, s.include_stop_str_in_output, s.skip_special_tokens,
                         s.stream, s.include_usage, s.continuous_usage_stats, s.return_token_ids,
-                        s.return_tokens_as_token_ids, response_role, prompt_text, user, tool_format)
+                        s.return_tokens_as_token_ids, response_role, prompt_text, user, tool_format, named_tool)
 
 
 def _params(s: Sampling, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,

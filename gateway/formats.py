@@ -131,11 +131,6 @@ class CompletionFormat(Format):
                 choice["prompt_token_ids"] = prompt_ids[prompt_of[i]]
 
 
-def _calls_finish(finish_reason: str | None) -> str | None:
-    """A choice that ends where its model stopped, after tool calls, ends with them (OpenAI's `tool_calls`)."""
-    return "tool_calls" if finish_reason == "stop" else finish_reason
-
-
 class ChatFormat(Format):
     """`/v1/chat/completions`: choices carry a message (or a delta); logprobs as a `content` list; vLLM's
     `prompt_logprobs` and `prompt_token_ids` on the response (a chat has one prompt)."""
@@ -147,7 +142,13 @@ class ChatFormat(Format):
         super().__init__(tokenizer, call)
         self.role = call.response_role
         self.prompt_text = call.prompt_text
+        self.named_tool = call.named_tool
         self.tokens_as_ids = call.tokens_as_ids
+
+    def _calls_finish(self, finish_reason: str | None) -> str | None:
+        """A choice that ends where its model stopped, after tool calls, ends with them (`tool_calls`), unless the
+        call named the function: then, as OpenAI answers, `stop`."""
+        return "tool_calls" if finish_reason == "stop" and not self.named_tool else finish_reason
 
     def _entry(self, token_id: int, logprob: float | None) -> dict[str, Any]:
         text = self.token_text(token_id)
@@ -169,7 +170,7 @@ class ChatFormat(Format):
             message["tool_calls"] = [c.as_message() for c in calls]
             if calls:
                 message["content"] = text or None
-                finish_reason = _calls_finish(finish_reason)
+                finish_reason = self._calls_finish(finish_reason)
         return self._ids({"index": index, "message": message, "logprobs": self.logprobs(records),
                           "finish_reason": finish_reason, "stop_reason": stop_reason}, records)
 
@@ -183,7 +184,7 @@ class ChatFormat(Format):
         if calls:
             delta = {"tool_calls": [c.as_chunk() for c in calls]} | ({"content": text} if text else {})
         if called:
-            finish_reason = _calls_finish(finish_reason)
+            finish_reason = self._calls_finish(finish_reason)
         return self._ids({"index": index, "delta": delta, "logprobs": self.logprobs(records),
                           "finish_reason": finish_reason, "stop_reason": stop_reason}, records)
 

@@ -468,6 +468,9 @@ def _tool_calls(raw: Any, i: int) -> tuple[ToolCall, ...]:
     return tuple(calls)
 
 
+TOOL_FUNCTION_KEYS = ("name", "description", "parameters", "strict")
+
+
 def _tool_use(body: Body) -> ToolUse | None:
     """`tools`, `tool_choice` and `parallel_tool_calls`, as OpenAI defines them."""
     raw = body.raw.get("tools")
@@ -484,15 +487,22 @@ def _tool_use(body: Body) -> ToolUse | None:
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
             raise bad_request(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}: this server "
                               "calls functions only", param="tools")
+        odd = next((f"tools[{i}].{k}" for k in tool if k not in ("type", "function")), None) or next(
+            (f"tools[{i}].function.{k}" for k in function if k not in TOOL_FUNCTION_KEYS), None)
+        if odd is not None:
+            raise bad_request(f"`{odd}` is not a field of a function tool", param="tools")
         name, description = function.get("name"), function.get("description")
         parameters = function.get("parameters", {"type": "object", "properties": {}})
+        if isinstance(parameters, dict) and "type" not in parameters:
+            parameters = parameters | {"type": "object"}  # arguments are an object, whatever else the schema says
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
             raise bad_request(f"tools[{i}].function.name must be 1-64 letters, digits, _ . or -; got {name!r}",
                               param="tools")
         if description is not None and not isinstance(description, str):
             raise bad_request(f"tools[{i}].function.description must be a string", param="tools")
-        if not isinstance(parameters, dict):
-            raise bad_request(f"tools[{i}].function.parameters must be a JSON schema (an object)", param="tools")
+        if not isinstance(parameters, dict) or parameters.get("type") != "object":
+            raise bad_request(f"tools[{i}].function.parameters must be a JSON schema of an object (a function's "
+                              "arguments are named)", param="tools")
         if any(t.name == name for t in tools):
             raise bad_request(f"tools[{i}]: two tools are named {name!r}", param="tools")
         tools.append(Tool(name, None if description is None else utf8(description, "tools"), json.dumps(parameters)))

@@ -300,7 +300,7 @@ class Generation:
             rest = parser.finish()
             piece = tools.Piece(piece.content + rest.content, piece.calls + rest.calls)
         return self.fmt.chunk_choice(sample, piece.content, _shifted(delta.logprobs, echoed), delta.finish_reason,
-                                     delta.stop_reason, calls=list(piece.calls), called=bool(parser.opened))
+                                     delta.stop_reason, calls=list(piece.calls), called=parser.complete > 0)
 
     def _opening(self, sample: int, echo: str | None, prefix: list[TokenLogprob], delta: Delta,
                  stream_start: bool) -> list[bytes]:

@@ -73,46 +73,47 @@ def call_format(setting: str, chat_template: str | None) -> CallFormat:
     return HERMES
 
 
-def _call_schema(tools: tuple[Tool, ...], fmt: CallFormat) -> dict[str, Any]:
-    calls = [{"type": "object", "properties": {"name": {"const": t.name}, fmt.args_key: json.loads(t.parameters)},
-              "required": ["name", fmt.args_key], "additionalProperties": False} for t in tools]
-    schema: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    return schema | {"x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
-
-
 def _lark_string(text: str) -> str:
     return json.dumps(text)
+
+
+def _call_rule(tool: Tool, fmt: CallFormat) -> str:
+    """One call of `tool` as Lark: `{"name": "<its name>", "<args key>": <its arguments>}`, the arguments held to
+    its parameters' schema as a JSON root of their own (so that the schema's own `$defs` and `$ref`s resolve)."""
+    arguments = json.loads(tool.parameters) | {"x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
+    parts = ['"{"', _lark_string('"name"'), '":"', _lark_string(json.dumps(tool.name)), '","',
+             _lark_string(json.dumps(fmt.args_key)), '":"', f"%json {json.dumps(arguments)}", '"}"']
+    return " JWS ".join(parts)
 
 
 def constraint(use: ToolUse, fmt: CallFormat) -> Constraint | None:
     """The grammar (Lark, for llguidance) that keeps the output to `use` in `fmt`; None where nothing is forced."""
     if use.choice == "none" or not use.tools:
         return None
-    call = f"%json {json.dumps(_call_schema(use.callable, fmt))}"
     more = " more*" if use.parallel and use.choice != "function" else ""  # a named function is called once
-    lines = []
+    lines = [f"one_call: {' | '.join(f'call_{i}' for i in range(len(use.callable)))}",
+             *(f"call_{i}: {_call_rule(tool, fmt)}" for i, tool in enumerate(use.callable))]
     if fmt.open:
         opener, closer = _lark_string(fmt.open), _lark_string(fmt.close)
-        lines.append(f"call: WS {call} WS {closer}")
+        lines.append(f"call: WS one_call WS {closer}")
         lines.append(f"more: WS {opener} call")
-        calls = f"{opener} call{more}"
         if use.choice == "auto":
             # free text that never opens a call, or text up to the first opening and calls after it
             lines.append(f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{re.escape(fmt.open)}(.|\\n)*/")
             lines.append(f"pre[stop={opener}]: /(.|\\n)*/")
             start = f"TEXT | pre call{more}"
         else:
-            start = calls
+            start = f"{opener} call{more}"
     else:
-        lines.append(f"call: {call}")
-        lines.append(f"more: WS {_lark_string(fmt.separator)} WS call")
-        calls = f"call{more}"
+        lines.append("call: WS one_call")
+        lines.append(f"more: WS {_lark_string(fmt.separator)} call")
         if use.choice == "auto":
-            lines.append("TEXT: /([^{](.|\\n)*)?/")  # an answer that does not start as a call
-            start = f"TEXT | {calls}"
+            lines.append("TEXT: /([ \\t\\n\\r]*[^{ \\t\\n\\r](.|\\n)*)?/")  # an answer that does not start as a call
+            start = f"TEXT | call{more}"
         else:
-            start = calls
+            start = f"call{more}"
     lines.append("WS: /[ \\n]{0,4}/")
+    lines.append(f"JWS: /{JSON_WHITESPACE}/")
     return Constraint("grammar", "\n".join([f"start: {start}", *lines]))
 
 
@@ -166,6 +167,7 @@ class CallParser:
         self.opened: list[CallDelta] = []  # each call's first part: its index, id and name
         self.arguments: list[str] = []  # each call's arguments' text so far
         self.complete = 0  # calls whose arguments have ended (one cut short by max_tokens has not)
+        self.current = ""  # the text of the call being read, its opening included
         self.head = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"' + re.escape(fmt.args_key)
                                + r'"\s*:\s*')
         self.depth = 0  # the arguments' JSON nesting so far
@@ -193,11 +195,14 @@ class CallParser:
         return Piece("".join(content), tuple(deltas))
 
     def finish(self) -> Piece:
-        """The end of the output: text held back because it might have begun a call is answer text after all."""
+        """The end of the output: text held back because it might have begun a call, and a call cut short (by
+        max_tokens or a stop string), are answer text after all."""
         rest, self.pending = self.pending, ""
-        if self.state in (self.TEXT, self.PLAIN, self.HEAD) and rest.strip():
-            return Piece(rest)
-        return Piece()
+        if self.state in (self.HEAD, self.ARGS):
+            rest, self.current = self.current + rest, ""
+        elif self.state == self.TAIL:
+            return Piece()
+        return Piece(rest) if rest.strip() else Piece()
 
     def _text(self) -> str:
         """Answer text up to a call's opening (or, for a format whose calls are the whole answer, its start)."""
@@ -209,14 +214,14 @@ class CallParser:
             if not stripped:
                 return ""
             if stripped[0] == "{":
-                self.state, self.pending = self.HEAD, stripped
+                self.state, self.pending, self.current = self.HEAD, stripped, ""
                 return ""
             self.state = self.PLAIN
             return ""
         at = self.pending.find(fmt.open)
         if at >= 0:
             text, self.pending = self.pending[:at], self.pending[at + len(fmt.open):]
-            self.state = self.HEAD
+            self.state, self.current = self.HEAD, fmt.open
         else:
             keep = next((k for k in range(min(len(fmt.open) - 1, len(self.pending)), 0, -1)
                          if fmt.open.startswith(self.pending[-k:])), 0)
@@ -227,14 +232,19 @@ class CallParser:
         """A call's name, once its JSON has said it (the grammar writes the name first)."""
         match = self.head.match(self.pending)
         if match is not None and self.pending[match.end():]:
-            deltas.append(self._open(json.loads(f'"{match[1]}"'), ""))
+            try:
+                name = json.loads(f'"{match[1]}"')
+            except ValueError:  # an escape JSON does not have: the name as written
+                name = match[1]
+            deltas.append(self._open(name, ""))
+            self.current += self.pending[:match.end()]
             self.pending = self.pending[match.end():]
             self.state, self.depth, self.in_string, self.escaped = self.ARGS, 0, False, False
             return
         if self.fmt.open and self.fmt.close in self.pending:
             # a call the parser cannot read as it goes (keys in another order): read it whole, or keep it as text
             body, _, self.pending = self.pending.partition(self.fmt.close)
-            self.state = self.TEXT
+            self.state, self.current = self.TEXT, ""
             try:
                 call = json.loads(body)
                 name, args = call["name"], call[self.fmt.args_key]
@@ -281,9 +291,10 @@ class CallParser:
         self.pending = "" if end is None else self.pending[end:]
         if piece:
             self.arguments[-1] += piece
+            self.current += piece
             deltas.append(CallDelta(len(self.opened) - 1, None, None, piece))
         if end is not None:
-            self.state = self.TAIL
+            self.state, self.current = self.TAIL, ""
             self.complete += 1
 
     def _tail(self) -> None:

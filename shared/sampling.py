@@ -101,8 +101,9 @@ class SamplingParams:
                 raise ParamError("constraint", f"a constraint is one of {', '.join(CONSTRAINT_KINDS)}; got "
                                                f"{self.constraint.kind!r}")
             # The grammar decides where the output may end: EOS must stay allowed there, and nowhere else.
+            # allowed_token_ids could leave a grammar no token at all
             for name, forbidden in (("ignore_eos", self.ignore_eos), ("min_tokens", self.min_tokens),
-                                    ("beam_width", self.beam_width)):
+                                    ("beam_width", self.beam_width), ("allowed_token_ids", self.allowed_token_ids)):
                 if forbidden:
                     raise ParamError(name, f"{name} does not apply to a constrained (structured) output")
         if self.beam_width:

@@ -454,7 +454,7 @@ TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
 def _tools(p: Probing) -> None:
     """The bus carries the grammar of the model's calls (the answer read for calls: test_tools.py)."""
     auto = p.post(tools=[TOOL])[1].params.constraint
-    assert auto.kind == "grammar" and '"get_time"' in auto.spec and "more*" in auto.spec
+    assert auto.kind == "grammar" and 'get_time' in auto.spec and "more*" in auto.spec
     assert p.post(tools=[TOOL], tool_choice="none")[1].params.constraint is None
     assert "more*" not in p.post(tools=[TOOL], tool_choice="required", parallel_tool_calls=False)[1].params.constraint.spec
 

@@ -59,6 +59,15 @@ def test_hermes_calls_read_the_same_streamed_in_any_pieces_as_whole(size):
                                                                        for i, c in enumerate(calls)})
 
 
+@pytest.mark.parametrize("text", ['<tool_call>\n{"name": "get_time", "arguments": {"tz": "U',
+                                  'Hi <tool_call>\n{"na', ' {"name": "get_time", "parameters": {"tz'])
+def test_a_call_cut_short_is_answer_text_whole_and_streamed(text):
+    fmt = LLAMA3_JSON if text.startswith(" ") else HERMES
+    content, calls = tools.parse(fmt, text)
+    assert (content.strip(), calls) == (text.strip(), [])  # (llama3_json's leading whitespace aside)
+    assert stream_in_pieces(fmt, text, 1)[0].endswith(text.strip()[-8:])
+
+
 def test_text_that_only_looked_like_a_call_is_answer_text():
     assert tools.parse(HERMES, "a < b and <tool") == ("a < b and <tool", [])
     assert stream_in_pieces(HERMES, "a < b and <tool", 1) == ("a < b and <tool", {})
@@ -124,6 +133,22 @@ GRAMMAR_CASES = [  # (choice, named function, parallel, text, admitted)
 ]
 
 
+PERSON = Tool("greet", None, json.dumps({"type": "object", "properties": {"who": {"$ref": "#/$defs/Person"}},
+                                         "required": ["who"], "$defs": {"Person": {
+                                             "type": "object", "properties": {"name": {"type": "string"}},
+                                             "required": ["name"]}}}))
+
+
+def test_a_tools_own_defs_and_refs_hold_its_arguments(grammar_tokenizer):
+    """As the openai client's pydantic_function_tool writes them: the arguments' schema is a JSON root of its own."""
+    constraint = tools.constraint(ToolUse((PERSON, TIME), "required"), HERMES)
+    constraints.check(constraint, grammar_tokenizer)
+    assert admits(grammar_tokenizer, constraint, '<tool_call>{"name": "greet", "arguments": {"who": {"name": "Al"}}}'
+                                                 '</tool_call>')
+    assert not admits(grammar_tokenizer, constraint, '<tool_call>{"name": "greet", "arguments": {"who": "Al"}}'
+                                                     '</tool_call>')
+
+
 @pytest.mark.parametrize("choice, name, parallel, text, admitted", GRAMMAR_CASES)
 def test_each_tool_choice_grammar_admits_valid_calls_and_nothing_else(grammar_tokenizer, choice, name, parallel, text,
                                                                       admitted):
@@ -137,7 +162,9 @@ def test_each_tool_choice_grammar_admits_valid_calls_and_nothing_else(grammar_to
     ("auto", '{"name": "get_time", "parameters": {}}', False),
     ("required", '{"name": "get_time", "parameters": {"tz": "UTC"}}; {"name": "get_weather", "parameters": '
                  '{"city": "Rome"}}', True),
-    ("required", "Plain words.", False)])
+    ("required", "Plain words.", False),
+    ("auto", ' \n{"name": "launch", "parameters": {}}', False),  # whitespace first is no way around the calls' grammar
+    ("auto", '\n{"name": "get_time", "parameters": {"tz": "UTC"}}', True)])
 def test_llama3_json_grammars_admit_its_calls(grammar_tokenizer, choice, text, admitted):
     constraint = tools.constraint(ToolUse((WEATHER, TIME), choice), LLAMA3_JSON)
     assert admits(grammar_tokenizer, constraint, text) == admitted
@@ -253,8 +280,14 @@ BAD = [
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "required"),
     ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format", "tool_choice"),
     ({"tools": TOOLS, "use_beam_search": True, "best_of": 2}, "best_of", "constrained"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]}, "tools",
-     "does not compile"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "nope"}}}}}]}, "tools", "does not compile"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parmeters": {}}}]}, "tools",
+     "`tools[0].function.parmeters` is not a field"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}, "extra": 1}]}, "tools", "`tools[0].extra`"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, "tools",
+     "schema of an object"),
+    ({"tools": TOOLS, "allowed_token_ids": [5]}, "allowed_token_ids", "constrained"),
 ]
 
 
