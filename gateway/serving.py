@@ -295,10 +295,7 @@ class Generation:
             return self.fmt.chunk_choice(sample, delta.text, _shifted(delta.logprobs, echoed), delta.finish_reason,
                                          delta.stop_reason)
         parser = self.call_parsers.setdefault(sample, tools.CallParser(self.call.tool_format))
-        piece = parser.feed(delta.text)
-        if delta.finish_reason is not None:
-            rest = parser.finish()
-            piece = tools.Piece(piece.content + rest.content, piece.calls + rest.calls)
+        piece = parser.feed(delta.text, end=delta.finish_reason is not None)
         return self.fmt.chunk_choice(sample, piece.content, _shifted(delta.logprobs, echoed), delta.finish_reason,
                                      delta.stop_reason, calls=list(piece.calls), called=parser.complete > 0)
 

@@ -173,7 +173,8 @@ class CallParser:
         self.depth = 0  # the arguments' JSON nesting so far
         self.in_string = self.escaped = False
 
-    def feed(self, text: str) -> Piece:
+    def feed(self, text: str, end: bool = False) -> Piece:
+        """What `text` adds; `end`: it is the output's last, so nothing is held back any more (see `_rest`)."""
         self.pending += text
         content: list[str] = []
         deltas: list[CallDelta] = []
@@ -192,17 +193,19 @@ class CallParser:
                 self._tail()
             if (self.state, len(self.pending)) == before:
                 break  # waiting for more text
+        if end:
+            content.append(self._rest())
         return Piece("".join(content), tuple(deltas))
 
-    def finish(self) -> Piece:
-        """The end of the output: text held back because it might have begun a call, and a call cut short (by
+    def _rest(self) -> str:
+        """At the end of the output: text held back because it might have begun a call, and a call cut short (by
         max_tokens or a stop string), are answer text after all."""
         rest, self.pending = self.pending, ""
         if self.state in (self.HEAD, self.ARGS):
             rest, self.current = self.current + rest, ""
         elif self.state == self.TAIL:
-            return Piece()
-        return Piece(rest) if rest.strip() else Piece()
+            return ""
+        return rest if rest.strip() else ""
 
     def _text(self) -> str:
         """Answer text up to a call's opening (or, for a format whose calls are the whole answer, its start)."""
@@ -312,6 +315,5 @@ class CallParser:
 def parse(fmt: CallFormat, text: str) -> tuple[str, list[ToolCall]]:
     """A whole answer: its text (less its calls) and its calls."""
     parser = CallParser(fmt)
-    content = parser.feed(text).content + parser.finish().content
-    return content, parser.calls
+    return parser.feed(text, end=True).content, parser.calls
 

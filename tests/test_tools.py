@@ -38,7 +38,7 @@ TOOL_TEMPLATE = (
 
 def stream_in_pieces(fmt, text: str, size: int) -> tuple[str, dict[int, list[str]]]:
     parser = CallParser(fmt)
-    pieces = [parser.feed(text[i:i + size]) for i in range(0, len(text), size)] + [parser.finish()]
+    pieces = [parser.feed(text[i:i + size], end=i + size >= len(text)) for i in range(0, len(text), size)]
     calls: dict[int, list[str]] = {}
     for piece in pieces:
         for d in piece.calls:
