@@ -154,7 +154,7 @@ def start_stack(settings: Settings):
     if url is None:
         raise SystemExit(1)
     stack.settings = settings.replace(redis_url=url)
-    stack.start_services(1, gateway=False)
+    stack.start_services(1, gateway_ports={})
     client = BusClient(url)
     client.wait_for(lambda: (s := client.stats()) is not None and len(s.workers) == 1, "the worker", 120, stack)
     return stack, client

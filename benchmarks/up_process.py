@@ -1,6 +1,7 @@
 """`pagedserve up` as a subprocess, as a user runs it: start it, wait for its one `ready:` line, find its children
-by their `started NAME (pid N)` log lines and its private Redis by the config file it names, stop it. Used by
-the soak and by the tests that drive the one-command stack."""
+by their `started NAME (pid N)` log lines (and signal one by name), its gateways by that line and the log's `other
+gateways at` line, and its private Redis by the config file it names, stop it. Used by the soak and by the tests
+that drive the one-command stack."""
 from __future__ import annotations
 
 import os
@@ -13,6 +14,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from pagedserve.launcher import gateway_name
 
 UP = [sys.executable, "-m", "pagedserve", "up"]
 START_TIMEOUT_S = 600.0
@@ -75,6 +78,19 @@ class UpProcess:
     def pids(self) -> dict[str, int]:
         """Each child's latest pid, by name."""
         return {name: int(pid) for name, pid in re.findall(r"started (\S+) \(pid (\d+)\)", self.log())}
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> int:
+        """Signal child `name` (SIGKILL: a fault the launcher restarts it from); the pid signalled, so that a caller
+        can tell its restart by a new one."""
+        pid = self.pids()[name]
+        os.kill(pid, sig)
+        return pid
+
+    def gateways(self) -> dict[str, str]:
+        """Each gateway's URL by child name (`gateway`, `gateway-1`, ...), the first being `url`."""
+        others = re.search(r"other gateways at (.+)$", self.log(), re.M)
+        urls = [self.url, *(others.group(1).split(", ") if others else [])]
+        return {gateway_name(i): url for i, url in enumerate(urls)}
 
     def redis_url(self) -> str:
         return private_redis_url(self.log())

@@ -3,75 +3,37 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import re
-import time
 import uuid
-import zlib
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from aiohttp import web
 from aiohttp.web_log import AccessLogger
 from multidict import CIMultiDict
 
-from gateway import calls, request_model
+from gateway import calls, messages_api, messages_routes, request_model, responses_routes
 from gateway.admission import Admission
 from gateway.bus import Bus
 from gateway.dashboard import PAGE, STATIC_PREFIX, add_dashboard
 from gateway.calls import GenerateCall
-from gateway.errors import ApiError, bad_request
+from gateway.errors import ApiError
 from gateway.formats import ChatFormat, CompletionFormat
+from gateway.handlers import (
+    GATEWAY, TOKENIZING, Tokenizing, api_keys, begin, call_log, given_key, read_body, request_id, too_large,
+)
 from gateway.metrics import CONTENT_TYPE
 from gateway.model import ServedModel
-from gateway.serving import BUS_ERRORS, REQUEST_ID, CallLog, Gateway, Generation
+from gateway.serving import BUS_ERRORS, REQUEST_ID, Gateway, Generation
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
-GATEWAY = web.AppKey("gateway", Gateway)
 USABLE_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces: safe in headers and logs
 OPEN_PATHS = ("/health", "/metrics", PAGE)  # answer without the API key
 PROBE_PATHS = ("/health", "/metrics")  # polled by launchers, load balancers and Prometheus: not access-logged
-# The gateway decodes a compressed body itself (aiohttp's own decoding answers a bad one in its own format, or
-# not at all): gzip or zlib-wrapped deflate, told apart by their headers.
-CONTENT_ENCODINGS = {"gzip": zlib.MAX_WBITS | 32, "deflate": zlib.MAX_WBITS | 32, "identity": None, "": None}
 SERVER_OPTIONS = {"auto_decompress": False}
-SMALL_BODY_BYTES = 64 << 10
-LARGE_BODY_THREADS = 2
 SHUTDOWN_TIMEOUT_S = 5.0
-
-
-@dataclass(slots=True)
-class Tokenizing:
-    """Where request bodies are decoded and tokenized: threads, off the event loop (the Rust tokenizer lets go
-    of the GIL while it works), with small bodies in a lane of their own so that a few huge prompts never
-    hold up a small one."""
-    small: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenize-small"))
-    large: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(LARGE_BODY_THREADS, thread_name_prefix="tokenize-large"))
-
-    async def run(self, raw: bytes, handle: Callable[[Any, ServedModel], Any], model: ServedModel) -> Any:
-        """`handle(body, model)` over the JSON body `raw`, in the lane its size picks."""
-        lane = self.small if len(raw) <= SMALL_BODY_BYTES else self.large
-        return await asyncio.get_running_loop().run_in_executor(lane, _handle_json, raw, handle, model)
-
-    def shutdown(self) -> None:
-        for lane in (self.small, self.large):
-            lane.shutdown(wait=False, cancel_futures=True)
-
-
-TOKENIZING = web.AppKey("tokenizing", Tokenizing)
-
-
-def _handle_json(raw: bytes, handle: Callable[[Any, ServedModel], Any], model: ServedModel) -> Any:
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
-    return handle(body, model)
+ANTHROPIC_PREFIX = "/v1/messages"  # routes that answer errors in Anthropic's shape
 
 
 class AccessLog(AccessLogger):
@@ -81,19 +43,6 @@ class AccessLog(AccessLogger):
     def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
         if request.path not in PROBE_PATHS:
             super().log(request, response, time)
-
-
-def too_large(limit: int, size: int | None = None) -> ApiError:
-    got = f"of {size} bytes " if size is not None else ""
-    return ApiError(413, f"the request body {got}exceeds the limit of {limit} bytes", code="request_too_large")
-
-
-def request_id(request: web.Request) -> str:
-    return request.headers[REQUEST_ID]
-
-
-def call_log(request: web.Request) -> CallLog:
-    return CallLog(log, {"request_id": request_id(request)})
 
 
 @web.middleware
@@ -114,65 +63,41 @@ async def request_id_middleware(request: web.Request, handler: Callable) -> web.
 
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Callable) -> web.StreamResponse:
-    """Every failure leaves as OpenAI's error body."""
+    """Every failure leaves as OpenAI's error body (Anthropic's on its routes)."""
     try:
         return await handler(request)
     except ApiError as e:
-        return e.response()
+        return _error(request, e)
     except web.HTTPRequestEntityTooLarge:
-        return too_large(request.app[GATEWAY].settings.max_body_bytes).response()
+        return _error(request, too_large(request.app[GATEWAY].settings.max_body_bytes))
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return ApiError(e.status, f"{e.reason}: {request.method} {request.path}",
-                        type="invalid_request_error" if e.status < 500 else "server_error").response()
+        return _error(request, ApiError(e.status, f"{e.reason}: {request.method} {request.path}",
+                                        type="invalid_request_error" if e.status < 500 else "server_error"))
     except Exception:
         call_log(request).exception("unexpected error answering %s %s", request.method, request.path)
-        return ApiError(500, "internal error in the gateway; see its log", type="server_error").response()
+        return _error(request, ApiError(500, "internal error in the gateway; see its log", type="server_error"))
+
+
+def _error(request: web.Request, e: ApiError) -> web.Response:
+    if request.path.startswith(ANTHROPIC_PREFIX):
+        return web.json_response(messages_api.error_body(e), status=e.status, headers=e.headers)
+    return e.response()
 
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Callable) -> web.StreamResponse:
-    """With an API key set, every route but health, metrics and the dashboard's page and files (which hold no data)
-    needs `Authorization: Bearer <key>`."""
-    key = request.app[GATEWAY].settings.api_key
-    if key and request.path not in OPEN_PATHS and not request.path.startswith(STATIC_PREFIX):
-        given = request.headers.get("Authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+    """With API keys set, every route but health, metrics and the dashboard's page and files (which hold no data)
+    needs one of them, as `Authorization: Bearer <key>` (or `x-api-key: <key>`)."""
+    keys = api_keys(request.app[GATEWAY].settings)
+    if keys and request.path not in OPEN_PATHS and not request.path.startswith(STATIC_PREFIX):
+        given = given_key(request).encode()
+        # every key compared, so that the time taken says nothing about which one came close
+        if not sum(hmac.compare_digest(given, k.encode()) for k in keys):
             raise ApiError(401, "missing or invalid API key: send `Authorization: Bearer <key>`",
                            code="invalid_api_key")
     return await handler(request)
-
-
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The JSON body, decompressed as its Content-Encoding says, at most `limit` bytes either way. Any other
-    Content-Type is a 415 before the body is read: a browser sends form and text bodies cross-origin without asking
-    first, so a page a user opens must not be able to make a server on their loopback generate."""
-    if request.content_type != "application/json" or (request.charset or "utf-8").lower() != "utf-8":
-        given = request.headers.get("Content-Type") or "none"
-        raise ApiError(415, f"the request body must be JSON, sent with `Content-Type: application/json` (UTF-8); "
-                       f"got {given}", code="unsupported_media_type")
-    if request.content_length is not None and request.content_length > limit:
-        raise too_large(limit, request.content_length)
-    encoding = request.headers.get("Content-Encoding", "").strip().lower()
-    if encoding not in CONTENT_ENCODINGS:
-        raise ApiError(415, f"Content-Encoding {encoding!r} is not supported; send gzip, deflate or none",
-                       code="unsupported_content_encoding")
-    raw = await request.read()
-    wbits = CONTENT_ENCODINGS[encoding]
-    if wbits is None:
-        return raw
-    inflate = zlib.decompressobj(wbits)
-    try:
-        body = inflate.decompress(raw, limit + 1)
-    except zlib.error as e:
-        raise bad_request(f"the request body is not {encoding} as its Content-Encoding says: {e}") from None
-    if len(body) > limit:
-        raise too_large(limit)
-    if not inflate.eof:
-        raise bad_request(f"the request body is cut short: its {encoding} stream does not end")
-    return body
 
 
 def completion_call(body: Any, model: ServedModel) -> GenerateCall:
@@ -193,14 +118,9 @@ def detokenize_answer(body: Any, model: ServedModel) -> dict:
 
 async def _generate(request: web.Request, plan: Callable[[Any, ServedModel], GenerateCall],
                     fmt: type[CompletionFormat] | type[ChatFormat]) -> web.StreamResponse:
-    gw = request.app[GATEWAY]
-    received = time.time()
-    raw = await read_body(request, gw.settings.max_body_bytes)
-    call = await request.app[TOKENIZING].run(raw, plan, gw.model)
-    if call.user is not None:
-        call_log(request).info("for user %r", call.user)
-    await gw.admit(call)
-    generation = Generation(gw, call, fmt(gw.model.tokenizer, call), received, request_id(request))
+    begun = await begin(request, plan)
+    gw, call = request.app[GATEWAY], begun.call
+    generation = Generation(gw, call, fmt(gw.model.tokenizer, call), begun.received, request_id(request), begun.origin)
     return await (generation.stream(request) if call.stream else generation.respond())
 
 
@@ -284,6 +204,8 @@ async def _on_startup(app: web.Application) -> None:
 
 async def _on_cleanup(app: web.Application) -> None:
     gw = app[GATEWAY]
+    for task in gw.releases:  # a stopping gateway's streams wait out their grace at the scheduler
+        task.cancel()
     if gw.background:
         await asyncio.wait(list(gw.background), timeout=SHUTDOWN_TIMEOUT_S)
     await gw.bus.close()
@@ -304,6 +226,8 @@ def build_app(gw: Gateway) -> web.Application:
     app.router.add_get("/tokenizer_info", tokenizer_info)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    responses_routes.add_routes(app)
+    messages_routes.add_routes(app)
     app.on_startup.append(_on_startup)
     add_dashboard(app, gw)
     app.on_cleanup.append(_on_cleanup)

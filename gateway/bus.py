@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from typing import TypeVar
+
+from gateway.records import CallRecord, ResponseRecord, request_id
 
 from shared.bus import (
     BLOCK_MS, RECONNECT_ERRORS, Backoff, connect_async, decode_payload, read_registry, registry_query, retry_async,
@@ -21,6 +24,19 @@ FIELD_KEY = FIELD.encode()
 T = TypeVar("T")
 WAKE_MAXLEN = 100
 WAKE_TTL_MS = 3_600_000  # a gateway that dies leaves its wake stream for an hour at most
+# Aborts each request whose reader key still holds the token of the connection that gave it up: a client that
+# reconnected meanwhile, to any gateway, has put another there. KEYS: control, then the readers; ARGV: token, maxlen,
+# field, then each request's encoded Abort.
+RELEASE = """
+local aborted = 0
+for i = 2, #KEYS do
+  if redis.call('GET', KEYS[i]) == ARGV[1] then
+    redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', ARGV[3], ARGV[i + 2])
+    aborted = aborted + 1
+  end
+end
+return aborted
+"""
 
 
 @dataclass(slots=True)
@@ -30,6 +46,16 @@ class Follower:
     queue: asyncio.Queue
     tag: int
     cursor: bytes = b"0-0"
+
+
+@dataclass(frozen=True, slots=True)
+class Resumable:
+    """What a streamed call leaves in Redis so that any gateway can pick its stream up: the token of the connection
+    that streams it now, and its record under its id (a stored response has its own); kept `ttl` seconds at most."""
+    call_id: str
+    record: CallRecord | None
+    reader: str
+    ttl: float
 
 
 class Bus:
@@ -86,13 +112,96 @@ class Bus:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.closed.wait(), self.heartbeat_ttl / 4)
 
-    async def submit(self, requests: list[Request]) -> None:
-        async with self.client.pipeline(transaction=True) as pipe:  # all of a call's prompts or none
+    def reader_token(self) -> str:
+        """A token for one client connection of this gateway, for the reader keys of the requests it streams."""
+        return f"{self.instance}:{uuid.uuid4().hex}"
+
+    async def submit(self, requests: list[Request], resumable: Resumable | None = None) -> None:
+        """Queue a call's requests (all of its prompts or none); a resumable one with its record and readers."""
+        async with self.client.pipeline(transaction=True) as pipe:
             for req in requests:
                 pipe.xadd(self.keys.requests, {FIELD: encode(req)})
+            if resumable is not None:
+                ttl_ms = int(resumable.ttl * 1000)
+                if resumable.record is not None:
+                    key = self.keys.call(resumable.call_id)
+                    pipe.hset(key, mapping=resumable.record.mapping())
+                    pipe.pexpire(key, ttl_ms)
+                for req in requests:
+                    pipe.set(self.keys.reader(req.rid), resumable.reader, px=ttl_ms)
             pipe.xadd(self.wake_key, {FIELD: b""}, maxlen=WAKE_MAXLEN, approximate=True)
             pipe.pexpire(self.wake_key, WAKE_TTL_MS)
             await pipe.execute()
+
+    async def load_call(self, call_id: str) -> CallRecord | None:
+        raw = await self.client.hgetall(self.keys.call(call_id))
+        try:
+            return CallRecord.from_mapping(raw) if raw else None
+        except (KeyError, ValueError, UnicodeDecodeError) as e:
+            log.warning("ignoring the malformed record of call %s: %s", call_id, e)
+            return None
+
+    async def store_response(self, response_id: str, record: ResponseRecord, ttl: float, bound: int) -> None:
+        """Keep a response's record `ttl` seconds; past `bound` stored responses, the oldest go with their streams."""
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.hset(self.keys.response(response_id), mapping=record.mapping())
+            pipe.pexpire(self.keys.response(response_id), int(ttl * 1000))
+            now = time.time()  # the order stored in, finer than the responses' own seconds
+            pipe.zadd(self.keys.responses, {response_id: now})
+            pipe.zremrangebyscore(self.keys.responses, "-inf", f"({now - ttl}")  # expired on their own
+            pipe.zcard(self.keys.responses)
+            stored = (await pipe.execute())[-1]
+        if stored > bound:
+            evicted = [i.decode() for i, _ in await self.client.zpopmin(self.keys.responses, stored - bound)]
+            await self.client.delete(*[k for i in evicted
+                                       for k in (self.keys.response(i), self.keys.out(request_id(i)))])
+            log.info("the response store is full (%d); deleted the %d oldest", bound, len(evicted))
+
+    async def load_response(self, response_id: str) -> ResponseRecord | None:
+        raw = await self.client.hgetall(self.keys.response(response_id))
+        try:
+            return ResponseRecord.from_mapping(raw) if raw else None
+        except (KeyError, ValueError, UnicodeDecodeError) as e:
+            log.warning("ignoring the malformed record of response %s: %s", response_id, e)
+            return None
+
+    async def cancel_response(self, response_id: str) -> None:
+        rid = request_id(response_id)
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.hset(self.keys.response(response_id), "cancelled", 1)
+            pipe.xadd(self.keys.control, {FIELD: encode(Abort(rid, "cancelled"))}, maxlen=CONTROL_MAXLEN,
+                      approximate=True)
+            await pipe.execute()
+
+    async def delete_response(self, response_id: str) -> bool:
+        """Forget a response (aborting its request, if it still runs); False if there was none."""
+        rid = request_id(response_id)
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.delete(self.keys.response(response_id))
+            pipe.zrem(self.keys.responses, response_id)
+            pipe.xadd(self.keys.control, {FIELD: encode(Abort(rid, "deleted"))}, maxlen=CONTROL_MAXLEN,
+                      approximate=True)
+            pipe.delete(self.keys.out(rid), self.keys.reader(rid))
+            return bool((await pipe.execute())[0])
+
+    async def read_out(self, rid: str) -> list[TokenOutput | Assignment]:
+        """A request's `out:` stream as it is now."""
+        key = self.keys.out(rid)
+        entries = [decode_payload(key, entry_id, fields.get(FIELD_KEY), (TokenOutput, Assignment))
+                   for entry_id, fields in await self.client.xrange(key)]
+        return [e for e in entries if e is not None]
+
+    async def take_up(self, rids: list[str], reader: str) -> bool:
+        """Make `reader` the connection that streams these requests now; False if any has no reader key left (its
+        stream expired)."""
+        async with self.client.pipeline(transaction=True) as pipe:
+            for rid in rids:
+                pipe.set(self.keys.reader(rid), reader, xx=True, keepttl=True)
+            return all(await pipe.execute())
+
+    async def end_call(self, call_id: str, ttl: float) -> None:
+        """A call answered whole keeps its record as long as its requests' streams are kept."""
+        await self.client.pexpire(self.keys.call(call_id), int(ttl * 1000))
 
     async def abort(self, rids: list[str], reason: str) -> None:
         async with self.client.pipeline(transaction=False) as pipe:
@@ -100,6 +209,12 @@ class Bus:
                 pipe.xadd(self.keys.control, {FIELD: encode(Abort(rid, reason))}, maxlen=CONTROL_MAXLEN,
                           approximate=True)
             await pipe.execute()
+
+    async def release(self, rids: list[str], reader: str, reason: str) -> int:
+        """Abort those of `rids` that `reader` still streams (no client took them up since); how many."""
+        keys = [self.keys.control] + [self.keys.reader(rid) for rid in rids]
+        args = [reader, CONTROL_MAXLEN, FIELD] + [encode(Abort(rid, reason)) for rid in rids]
+        return int(await self.client.eval(RELEASE, len(keys), *keys, *args))
 
     def follow(self, rid: str, queue: asyncio.Queue, tag: int) -> None:
         """Route every entry of `rid`'s stream, from its start, into `queue` as `(tag, entries)`, until

@@ -207,9 +207,201 @@ DETOKENIZE = _table(
     _honoured("tokens", VLLM, "token ids to decode, special tokens written out"),
 )
 
+# vLLM's Responses request takes these fields of its chat request, meaning the same: they go on to the chat call.
+RESPONSES_FROM_CHAT = ("top_k", "seed", "stop", "repetition_penalty", "ignore_eos", "skip_special_tokens",
+                       "include_stop_str_in_output", "logit_bias", "structured_outputs", "chat_template_kwargs")
+
+
+def _as_chat(by: str, *names: str) -> tuple[Field, ...]:
+    """Chat's own fields, as another route defines them (`by`)."""
+    return tuple(Field(f.name, by, f.meaning, f.refused, f.nothing) for f in (CHAT[name] for name in names))
+
+
+RESPONSES = _table(
+    *_as_chat(BOTH, "model", "temperature", "top_p", "user", "parallel_tool_calls", "service_tier", "prompt_cache_key"),
+    *_as_chat(OPENAI, "safety_identifier", "moderation", "prompt_cache_options", "prompt_cache_retention"),
+    _honoured("input", BOTH, "a string (the user's message) or items: messages (`input_text` parts, an assistant's "
+              "`output_text`; a developer's goes to the template as the system's), `function_call` and "
+              "`function_call_output`; other item and part types (images, files, reasoning, item references) are a "
+              "400"),
+    _honoured("instructions", BOTH, "the first message, the system's; not carried over by `previous_response_id` "
+              "(as OpenAI)"),
+    _honoured("max_output_tokens", BOTH, "default: the context left; an answer it cuts is `incomplete`"),
+    _honoured("tools", BOTH, "function tools (`name`, `description`, `parameters`, `strict`), as chat's `tools`; "
+              "other tool types are a 400"),
+    _honoured("tool_choice", BOTH, "\"none\", \"auto\", \"required\" or {\"type\": \"function\", \"name\"}, as chat's"),
+    _honoured("text", BOTH, "see the text table"),
+    _honoured("stream", BOTH, "OpenAI's typed events, each with its `sequence_number`"),
+    _honoured("store", BOTH, "default true: the response, its input and output are kept for "
+              "`GET /v1/responses/{response_id}` and `previous_response_id`"),
+    _honoured("background", BOTH, "the call answers at once (`queued`) and the response runs on; needs `store`"),
+    _honoured("previous_response_id", BOTH, "the stored response whose conversation (its input and output, after "
+              "those it continued) comes before this input"),
+    _honoured("metadata", BOTH, "up to 16 string pairs (keys up to 64 characters, values up to 512), stored and "
+              "echoed"),
+    _honoured("include", BOTH, "values about items this server never writes (reasoning, hosted tools' results, "
+              "images) include nothing; `message.output_text.logprobs` is a 400 (no logprobs here yet)"),
+    _honoured("max_tool_calls", BOTH, "echoed: it caps calls to built-in tools, of which this server has none"),
+    _refused("truncation", BOTH, "no truncation: an input longer than the context is a 400", "disabled"),
+    _refused("top_logprobs", BOTH, "no logprobs on this route yet", 0),
+    _refused("reasoning", BOTH, "no reasoning models", {}, {"effort": "none"}),
+    _refused("prompt", BOTH, "no stored prompt templates"),
+    _refused("stream_options", OPENAI, "events carry no obfuscation padding", {}, {"include_obfuscation": False}),
+    _refused("conversation", OPENAI, "no conversation objects: continue a response with `previous_response_id`"),
+    _refused("context_management", OPENAI, "no compaction", []),
+    _refused("background_options", OPENAI, "one completion window", {}, {"completion_window": "soonest"}),
+    _refused("access_programs", OPENAI, "no access programs"),
+    _refused("image", OPENAI, "text models only"),
+    *_as_chat(VLLM, *RESPONSES_FROM_CHAT, "request_id", "session_id", "media_io_kwargs", "mm_processor_kwargs",
+              "priority", "cache_salt", "vllm_xargs", "kv_transfer_params", "ec_transfer_params"),
+    _refused("enable_response_messages", VLLM, "harmony (gpt-oss) messages only", False),
+    _refused("previous_input_messages", VLLM, "harmony (gpt-oss) messages only: send `input` items"),
+)
+
+RESPONSES_TEXT = _table(
+    _honoured("format", BOTH, "{\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": \"json_schema\", "
+              "\"name\", \"schema\", \"strict\"}: " + CONSTRAINED),
+    Field("verbosity", BOTH, CHAT["verbosity"].meaning, refused=True),
+)
+
+ANTHROPIC, ANTHROPIC_BETA = "Anthropic", "Anthropic (beta)"
+CACHE_CONTROL = ("every prompt's full KV blocks are cached anyway, so a cache breakpoint asks for nothing more; a "
+                 "`ttl` is refused: blocks stay until they are reused, not for a set time")
+BLOCK_CACHE_CONTROL = "as the top-level `cache_control`: a breakpoint asks for nothing more; a `ttl` is refused"
+NO_THINKING = "no extended thinking: the answer holds what the model writes"
+
+_ANTHROPIC_PROMPT = (
+    _honoured("model", ANTHROPIC, "required: the served model's id (`GET /v1/models`); another is a 404"),
+    _honoured("messages", ANTHROPIC, "user, assistant and system turns (consecutive turns of a role joined, as "
+              "Anthropic does; see the message and block tables): a user's tool results become `tool` messages, in "
+              "order, before the turn's text; a last assistant turn is continued (prefill)"),
+    _honoured("system", ANTHROPIC, "a string or text blocks: the first message, with the system role"),
+    _honoured("tools", ANTHROPIC, "custom tools (see the tool table), rendered by the chat template; their calls "
+              "come back as `tool_use` blocks, in the format of `--tool-call-parser`"),
+    _refused("thinking", ANTHROPIC, NO_THINKING, {"type": "disabled"}),
+    _refused("cache_control", ANTHROPIC, CACHE_CONTROL, {"type": "ephemeral"}),
+    _refused("speed", ANTHROPIC, "one speed", "standard"),
+    _refused("context_management", ANTHROPIC_BETA, "no context editing"),
+    _refused("mcp_servers", ANTHROPIC_BETA, "no MCP connector", []),
+    _refused("billing_policy", ANTHROPIC_BETA, "nothing is billed", {"type": "billing_policy", "bill_to": "self"}),
+)
+
+MESSAGES = _table(
+    *_ANTHROPIC_PROMPT,
+    _honoured("max_tokens", ANTHROPIC, "required: 1 up to the context left (0, Anthropic's cache warm-up, is a 400)"),
+    _honoured("stop_sequences", ANTHROPIC, "strings that end the answer (cut from it); `stop_reason` "
+              "\"stop_sequence\" and `stop_sequence` say which"),
+    _honoured("stream", ANTHROPIC, "server-sent events as Anthropic sends them: message_start, ping, each content "
+              "block's start, deltas and stop, message_delta, message_stop"),
+    _honoured("temperature", ANTHROPIC, "0-1; 0 is greedy"),
+    _honoured("top_p", ANTHROPIC, "(0, 1]"),
+    _honoured("top_k", ANTHROPIC, "only the k likeliest tokens; 0 = off"),
+    _honoured("tool_choice", ANTHROPIC, "see the tool_choice table; auto is the default with tools (text, or calls "
+              "kept valid once opened); calls are constrained to the tools' schemas"),
+    _honoured("metadata", ANTHROPIC, "see the metadata table"),
+    _honoured("output_config", ANTHROPIC, "see the output_config table"),
+    _refused("service_tier", ANTHROPIC, "one service tier (usage says `standard`)", "auto", "standard_only"),
+    _refused("container", ANTHROPIC, "no code-execution containers"),
+    _refused("diagnostics", ANTHROPIC, "no prompt-cache diagnostics"),
+    _refused("inference_geo", ANTHROPIC, "inference runs where this server runs"),
+    _refused("compaction", ANTHROPIC_BETA, "no compaction"),
+    _refused("fallbacks", ANTHROPIC_BETA, "one model, no fallbacks", []),
+    _refused("fallback_credit_token", ANTHROPIC_BETA, "nothing is refused or billed, so there is no credit"),
+    _refused("thread", ANTHROPIC_BETA, "no server-held conversation state: send the whole conversation"),
+)
+
+COUNT_TOKENS = _table(
+    *_ANTHROPIC_PROMPT,
+    _honoured("tool_choice", ANTHROPIC, "checked as /v1/messages checks it; changes no prompt token (the template gets "
+              "the tools whatever the choice)"),
+    _honoured("output_config", ANTHROPIC, "checked as /v1/messages checks it; a constraint adds no prompt token"),
+    _honoured("compaction", ANTHROPIC_BETA, "changes no count, as Anthropic's own count ignores it: the count is of "
+              "`messages` as sent"),
+)
+
+# The objects inside a Messages body, each checked by its own table as the routes' bodies are.
+ANTHROPIC_MESSAGE = _table(
+    _honoured("role", ANTHROPIC, "\"user\", \"assistant\" or \"system\""),
+    _honoured("content", ANTHROPIC, "a string, or blocks: text, tool_use (an assistant's), tool_result (a user's); "
+              "other types (images, documents, thinking, server tools' blocks) are a 400 naming them"),
+    _refused("clear_at", ANTHROPIC_BETA, "a system message stays in front of the model", "never"),
+    _refused("output_config", ANTHROPIC_BETA, "no per-turn output configuration", {}),
+)
+
+TEXT_BLOCK = _table(
+    _honoured("type", ANTHROPIC, "\"text\""),
+    _honoured("text", ANTHROPIC, "a turn's text blocks are joined as chat joins text parts"),
+    _refused("cache_control", ANTHROPIC, BLOCK_CACHE_CONTROL, {"type": "ephemeral"}),
+    _refused("citations", ANTHROPIC, "no citations", []),
+)
+
+TOOL_USE_BLOCK = _table(
+    _honoured("type", ANTHROPIC, "\"tool_use\""),
+    _honoured("id", ANTHROPIC, "the call's id (the one this server gave it): the template gets it, as chat's "
+              "`tool_calls[].id`"),
+    _honoured("name", ANTHROPIC, "the tool called"),
+    _honoured("input", ANTHROPIC, "the call's input, an object: the template gets it as the call's arguments"),
+    _refused("cache_control", ANTHROPIC, BLOCK_CACHE_CONTROL, {"type": "ephemeral"}),
+    _refused("caller", ANTHROPIC, "the model calls tools itself (no programmatic tool calling)", {"type": "direct"}),
+    _refused("toolset_name", ANTHROPIC, "no MCP toolsets"),
+)
+
+TOOL_RESULT_BLOCK = _table(
+    _honoured("type", ANTHROPIC, "\"tool_result\""),
+    _honoured("tool_use_id", ANTHROPIC, "the call it answers: a `tool` message with that `tool_call_id`"),
+    _honoured("content", ANTHROPIC, "a string or text blocks; images, documents and search results are a 400"),
+    _honoured("is_error", ANTHROPIC, "true: the template reads `Error: ` before the result (chat templates have no "
+              "error flag)"),
+    _refused("cache_control", ANTHROPIC, BLOCK_CACHE_CONTROL, {"type": "ephemeral"}),
+    _refused("toolset_name", ANTHROPIC, "no MCP toolsets"),
+)
+
+ANTHROPIC_TOOL = _table(
+    _honoured("type", ANTHROPIC, "\"custom\" or absent; a server tool's type (bash, code execution, web search, ...) "
+              "is a 400 naming it"),
+    _honoured("name", ANTHROPIC, "as chat's function name: 1-64 letters, digits, _ . or -"),
+    _honoured("description", ANTHROPIC, "rendered by the chat template"),
+    _honoured("input_schema", ANTHROPIC, "a JSON schema of an object: rendered by the template, and the calls' input "
+              "is constrained to it"),
+    _honoured("strict", ANTHROPIC, "calls are constrained to `input_schema` either way"),
+    _honoured("eager_input_streaming", ANTHROPIC, "input streams as it is written either way"),
+    _refused("cache_control", ANTHROPIC, BLOCK_CACHE_CONTROL, {"type": "ephemeral"}),
+    _refused("defer_loading", ANTHROPIC, "no tool search: every tool is rendered", False),
+    _refused("input_examples", ANTHROPIC, "the chat template renders no input examples", []),
+    _refused("allowed_callers", ANTHROPIC, "the model calls tools itself (no programmatic tool calling)", ["direct"]),
+)
+
+ANTHROPIC_TOOL_CHOICE = _table(
+    _honoured("type", ANTHROPIC, "\"auto\" (chat's auto), \"any\" (chat's required), \"tool\" (a named function) or "
+              "\"none\""),
+    _honoured("name", ANTHROPIC, "type \"tool\": the tool whose call alone comes back"),
+    _honoured("disable_parallel_tool_use", ANTHROPIC, "true: at most one call (chat's `parallel_tool_calls: false`)"),
+)
+
+ANTHROPIC_METADATA = _table(
+    _honoured("user_id", ANTHROPIC, "logged with the call's request id, as chat's `user`"),
+)
+
+OUTPUT_CONFIG = _table(
+    _honoured("format", ANTHROPIC, "see the output_config.format table"),
+    _refused("effort", ANTHROPIC, "no reasoning models"),
+    _refused("task_budget", ANTHROPIC_BETA, "no task budgets"),
+)
+
+OUTPUT_FORMAT = _table(
+    _honoured("type", ANTHROPIC, "\"json_schema\""),
+    _honoured("schema", ANTHROPIC, "a JSON schema: " + CONSTRAINED),
+)
+
 ROUTES = {"/v1/completions": COMPLETIONS, "/v1/chat/completions": CHAT, "stream_options": STREAM_OPTIONS,
           "structured_outputs": STRUCTURED_OUTPUTS,
-          "/tokenize": TOKENIZE, "/detokenize": DETOKENIZE}
+          "/tokenize": TOKENIZE, "/detokenize": DETOKENIZE, "/v1/responses": RESPONSES, "text": RESPONSES_TEXT,
+          "/v1/messages": MESSAGES, "/v1/messages/count_tokens": COUNT_TOKENS,
+          "/v1/messages: message": ANTHROPIC_MESSAGE, "/v1/messages: text block": TEXT_BLOCK,
+          "/v1/messages: tool_use block": TOOL_USE_BLOCK, "/v1/messages: tool_result block": TOOL_RESULT_BLOCK,
+          "/v1/messages: tool": ANTHROPIC_TOOL, "/v1/messages: tool_choice": ANTHROPIC_TOOL_CHOICE,
+          "/v1/messages: metadata": ANTHROPIC_METADATA, "/v1/messages: output_config": OUTPUT_CONFIG,
+          "/v1/messages: output_config.format": OUTPUT_FORMAT}
 
 
 def markdown() -> str:

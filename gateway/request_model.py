@@ -142,7 +142,8 @@ class DetokenizeRequest:
 class Body:
     """A JSON object body checked against its route's table: `get` converts one honoured field."""
 
-    def __init__(self, raw: Any, table: dict[str, Field], where: str = "") -> None:
+    def __init__(self, raw: Any, table: dict[str, Field], where: str = "",
+                 undefined: str = "neither OpenAI nor vLLM defines it") -> None:
         if not isinstance(raw, dict):
             what = f"`{where}`" if where else "the request body"
             raise bad_request(f"{what} must be a JSON object, not {kind_of(raw)}", param=where or None)
@@ -152,8 +153,8 @@ class Body:
             f = table.get(name)
             param = self.param(name)
             if f is None:
-                raise bad_request(f"`{param}` is not a field of this route (neither OpenAI nor vLLM defines it); see "
-                                  "the README's field list", param=param, code="unknown_field")
+                raise bad_request(f"`{param}` is not a field of this route ({undefined}); see the README's field "
+                                  "list", param=param, code="unknown_field")
             if f.refuses(value):
                 raise bad_request(f"`{param}` is not supported by this server: {f.meaning}", param=param,
                                   code="unsupported")

@@ -10,20 +10,22 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Protocol
 
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from gateway import sse, tools
+from gateway import records, sse, tools
 from gateway.admission import Admission
-from gateway.bus import Bus
+from gateway.bus import Bus, Resumable
 from gateway.errors import ApiError
 from gateway.calls import GenerateCall
 from gateway.formats import Format, prompt_records, usage, vllm_prompt_logprobs
 from gateway.generation import Delta, RequestTracker, TokenLogprob
 from gateway.metrics import Metrics
 from gateway.model import ServedModel
+from gateway.records import CallRecord
+from gateway.resume import Numbering, Position
 from shared.protocol import REJECTED, UNAVAILABLE, Assignment, Request, TokenOutput
 from shared.settings import Settings
 
@@ -64,13 +66,15 @@ class Gateway:
     metrics: Metrics = field(default_factory=Metrics)
     started: float = field(default_factory=time.time)
     background: set[asyncio.Task] = field(default_factory=set)
+    releases: set[asyncio.Task] = field(default_factory=set)  # streams whose client went, waiting out their grace
 
-    def spawn(self, coro) -> None:
+    def spawn(self, coro, tasks: set[asyncio.Task] | None = None) -> None:
         """Run work that must finish even if the handler that asked for it is cancelled (bus writes), or that
         outlives any handler (the start-up warm-up)."""
+        tasks = self.background if tasks is None else tasks
         task = asyncio.get_running_loop().create_task(coro)
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
 
     async def admit(self, call: GenerateCall) -> None:
         """Reserve a waiting place per prompt of `call`, or 400/429 (see Admission), counting the scheduler's
@@ -90,25 +94,54 @@ class Gateway:
         except BUS_ERRORS as e:
             log.warning("could not abort %s (%s): %s", rids, reason, e)
 
+    async def release(self, rids: list[str], reader: str, log: logging.Logger | logging.LoggerAdapter) -> None:
+        """After the reconnect grace period, abort the requests of a stream whose client went, unless a client
+        took the stream up again meanwhile (at any gateway). A gateway stopping leaves this to the scheduler."""
+        await asyncio.sleep(self.settings.reconnect_grace)
+        try:
+            aborted = await self.bus.release(rids, reader, "client gone")
+        except BUS_ERRORS as e:
+            log.warning("could not abort %s (client gone): %s", rids, e)
+            return
+        if aborted < len(rids):
+            log.info("%d of %d requests of a stream whose client went were taken up again", len(rids) - aborted,
+                     len(rids))
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Where a call's requests come from, and what becomes of them when its client goes: a new call (`record` kept
+    while it streams, so that any gateway can pick the stream up), or a stream picked up again after `resume` (its
+    requests run already: nothing is submitted). A background call's requests run to their end whoever watches, and
+    keep their streams `retention` seconds; a stored response's stream replayed is one too (it never aborts)."""
+    record: CallRecord | None = None
+    call_id: str | None = None  # the call's id where it has one already (resumed, or a stored response's)
+    resume: Position | None = None
+    background: bool = False
+    retention: float = 0.0
+
 
 class Generation:
     """One API call: its prompts become bus requests (`{id}-{i}`), their samples the response's choices."""
 
-    def __init__(self, gw: Gateway, call: GenerateCall, fmt: Format, received: float, request_id: str) -> None:
+    def __init__(self, gw: Gateway, call: GenerateCall, fmt: Format, received: float, request_id: str,
+                 origin: Origin = Origin()) -> None:
         self.gw = gw
         self.call = call
         self.fmt = fmt
         self.received = received
         self.request_id = request_id
+        self.origin = origin
         self.log = CallLog(log, {"request_id": request_id})
-        self.id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
-        self.created = int(received)
+        self.id = origin.call_id or f"{fmt.id_prefix}-{uuid.uuid4().hex}"
+        self.created = origin.record.created if origin.record is not None else int(received)
+        self.reader = gw.bus.reader_token()  # this connection's, in its requests' reader keys
         self.text_chunks: dict[int, sse.TextEvent | None] = {}  # per choice, see _token_chunk
         self.generated: dict[int, int] = {}  # per choice streamed, its tokens so far
         self.call_parsers: dict[int, tools.CallParser] = {}  # per choice streamed, where the call offered tools
         decode = functools.partial(gw.model.tokenizer.decode, skip_special_tokens=call.skip_special_tokens)
-        self.trackers = [RequestTracker(f"{self.id}-{i}", call.params.n, call.params.max_tokens, p.token_ids, decode,
-                                        call.stop, include_stop=call.include_stop_str,
+        self.trackers = [RequestTracker(records.request_id(self.id, i), call.params.n, call.params.max_tokens,
+                                        p.token_ids, decode, call.stop, include_stop=call.include_stop_str,
                                         appended_text=gw.model.tokenizer.appended_text,
                                         prompt_logprobs=call.params.prompt_logprobs is not None,
                                         hide_output=call.hide_output, logger=self.log)
@@ -130,20 +163,25 @@ class Generation:
         the bus routed at once."""
         gw, n = self.gw, self.call.params.n
         arrival = time.time()
-        requests = [Request(t.rid, self.call.model, p.token_ids, self.call.params, arrival, gw.bus.instance)
-                    for t, p in zip(self.trackers, self.call.prompts)]
-        waiting = set(range(len(self.trackers)))  # places reserved by Gateway.admit
+        origin = self.origin
+        new = origin.resume is None
+        waiting = set(range(len(self.trackers))) if new else set()  # places reserved by Gateway.admit
         running = set(range(len(self.trackers)))
         submitted = False
         try:
             for i, tracker in enumerate(self.trackers):
                 gw.bus.follow(tracker.rid, self.queue, i)
             try:
-                await gw.bus.submit(requests)
+                if new:
+                    await gw.bus.submit(self._requests(arrival), self._resumable())
+                elif not await gw.bus.take_up([t.rid for t in self.trackers], self.reader) and not origin.background:
+                    raise ApiError(404, f"the stream of {self.id} has expired (streams are kept "
+                                   f"{gw.settings.out_stream_ttl:g} s after they end)", code="stream_expired")
             except BUS_ERRORS as e:
                 raise bus_unavailable(e) from None
             submitted = True
-            gw.metrics.prompt_tokens.inc(self.prompt_tokens)
+            if new:
+                gw.metrics.prompt_tokens.inc(self.prompt_tokens)
             while running:
                 i, outs = await self.queue.get()
                 if isinstance(outs, BaseException):
@@ -176,6 +214,26 @@ class Generation:
             if submitted:
                 self._finish(arrival)
 
+    async def submit(self) -> None:
+        """Queue the call's requests and let them go: a background call, which nobody here follows."""
+        try:
+            await self.gw.bus.submit(self._requests(time.time()))
+        except BUS_ERRORS as e:
+            raise bus_unavailable(e) from None
+        self.gw.admission.release(len(self.trackers))  # nobody here waits for a first token to release them
+        self.gw.metrics.prompt_tokens.inc(self.prompt_tokens)
+
+    def _requests(self, arrival: float) -> list[Request]:
+        gateway_id = "" if self.origin.background else self.gw.bus.instance
+        return [Request(t.rid, self.call.model, p.token_ids, self.call.params, arrival, gateway_id,
+                        self.origin.retention) for t, p in zip(self.trackers, self.call.prompts)]
+
+    def _resumable(self) -> Resumable | None:
+        """What a new streamed call leaves in Redis for a client that reconnects, to this gateway or another."""
+        if not self.call.stream or self.origin.background:
+            return None
+        return Resumable(self.id, self.origin.record, self.reader, self.gw.settings.response_ttl)
+
     def _first_token(self, i: int, arrival: float) -> None:
         now = time.time()
         self.first_token[i] = now
@@ -184,11 +242,11 @@ class Generation:
         self.gw.metrics.queue.observe(now - arrival)
 
     def _finish(self, arrival: float) -> None:
+        self._end_requests()
+        if self.origin.resume is not None:
+            return  # its own metrics were counted where it began
         now, m = time.time(), self.gw.metrics
-        aborts = []
         for tracker, first in zip(self.trackers, self.first_token):
-            if tracker.needs_abort:
-                aborts.append(tracker.rid)
             m.generation_tokens.inc(tracker.num_generated)
             for s in tracker.samples:
                 m.finished.labels(s.finish_reason or ("error" if tracker.error else "abort")).inc()
@@ -196,10 +254,29 @@ class Generation:
             if first is not None and longest > 1:
                 m.tpot.observe((now - first) / (longest - 1))
             m.e2e.observe(now - self.received)
-        if aborts:
-            finished = [t for t in self.trackers if t.finished and t.error is None]
-            reason = "stop string" if len(finished) == len(self.trackers) else "client gone or call failed"
-            self.gw.spawn(self.gw.abort(aborts, reason, self.log))
+
+    def _end_requests(self) -> None:
+        """Abort on the bus what the call no longer reads: at once where a stop string ended a sample here, after
+        the reconnect grace period where the client of a stream went (unless it comes back), else at once."""
+        gw = self.gw
+        stopped = [t.rid for t in self.trackers if t.needs_abort and t.finished]
+        gone = [t.rid for t in self.trackers if t.needs_abort and not t.finished]
+        if stopped:
+            gw.spawn(gw.abort(stopped, "stop string", self.log))
+        if gone and self.origin.background:
+            return
+        if gone and self.call.stream and gw.settings.reconnect_grace > 0:
+            gw.spawn(gw.release(gone, self.reader, self.log), gw.releases)
+        elif gone:
+            gw.spawn(gw.abort(gone, "client gone or call failed", self.log))
+        elif self.call.stream and self.origin.record is not None:
+            gw.spawn(self._end_call())
+
+    async def _end_call(self) -> None:
+        try:
+            await self.gw.bus.end_call(self.id, self.gw.settings.out_stream_ttl)
+        except BUS_ERRORS as e:
+            self.log.warning("could not shorten the record of %s: %s", self.id, e)
 
     def _prefix(self, sample: int) -> tuple[str, list[TokenLogprob]]:
         """What a sample's text and logprobs start with: with `echo`, its prompt's echo and (completions, with
@@ -245,14 +322,14 @@ class Generation:
                         records[index] += delta.logprobs
                         ends[index] = (delta.finish_reason, delta.stop_reason)
         except RequestFailed as e:
-            raise _failure(e) from None
+            raise failure(e) from None
         choices = []
         order = self._choice_order()
         for i in order:
             text, prefix = self._prefix(i)
             answer, calls = texts[i], {}
             if self.call.tool_format is not None:
-                answer, calls["calls"] = tools.parse(self.call.tool_format, answer)
+                answer, calls["calls"] = tools.parse(self.call.tool_format, answer, f"{self.id}/{i}")
             choice = self.fmt.choice(len(choices), text + answer, prefix + _shifted(records[i], len(text)), *ends[i],
                                      **calls)
             if self.call.ranked:
@@ -294,7 +371,7 @@ class Generation:
         if self.call.tool_format is None:
             return self.fmt.chunk_choice(sample, delta.text, _shifted(delta.logprobs, echoed), delta.finish_reason,
                                          delta.stop_reason)
-        parser = self.call_parsers.setdefault(sample, tools.CallParser(self.call.tool_format))
+        parser = self.call_parsers.setdefault(sample, tools.CallParser(self.call.tool_format, f"{self.id}/{sample}"))
         piece = parser.feed(delta.text, end=delta.finish_reason is not None)
         return self.fmt.chunk_choice(sample, piece.content, _shifted(delta.logprobs, echoed), delta.finish_reason,
                                      delta.stop_reason, calls=list(piece.calls), called=parser.complete > 0)
@@ -308,51 +385,117 @@ class Generation:
         self.fmt.first_chunk(chunks[0], self.call.prompts[sample // self.call.params.n].token_ids, stream_start)
         return [sse.event(c) for c in chunks]
 
-    async def _open(self, request: web.Request) -> web.StreamResponse:
+    async def open_stream(self, request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers=sse.HEADERS | {REQUEST_ID: self.request_id})
         await response.prepare(request)
         return response
 
-    async def stream(self, request: web.Request) -> web.StreamResponse:
+    async def stream(self, request: web.Request, source: EventSource | None = None) -> web.StreamResponse:
+        """The answer as server-sent events, made by `source` (chat's or completions' chunks unless given), each
+        with its id (see gateway/resume.py); a resumed stream leaves out the events its client had."""
+        source = source or ChoiceEvents(self)
+        numbering = Numbering(self.id, source.lanes, self.origin.resume)
         response: web.StreamResponse | None = None
-        echoed: dict[int, int] = {}  # per opened choice, the length of its echoed text
-        events_ready: list[bytes] = []  # written together while more tokens wait in the queue: one write, not one each
+        ready: list[bytes] = []  # written together while more tokens wait in the queue: one write, not one each
+
+        def add(events: list[LaneEvent]) -> None:
+            for event in events:
+                if (numbered := numbering.event(event.lane, event.data)) is not None:
+                    ready.append(numbered)
+
+        async def open_stream() -> web.StreamResponse:
+            opened = await self.open_stream(request)
+            add(source.opening())
+            return opened
+
         try:
             async with contextlib.aclosing(self.events()) as events:
                 async for batch in events:
                     if response is None:
                         # Headers go out with the first token, so a request rejected before any gets a plain 4xx.
-                        response = await self._open(request)
-                    for index, delta in batch:
-                        self.generated[index] = self.generated.get(index, 0) + sum(r.generated for r in delta.logprobs)
-                        if index not in echoed:
-                            text, prefix = self._prefix(index)
-                            echoed[index] = len(text)
-                            events_ready += self._opening(index, text if self.call.echo is not None else None,
-                                                          prefix, delta, not echoed.keys() - {index})
-                        else:
-                            # One event per token, with empty text while its characters are unfinished or held
-                            # back by a stop string, so that clients see every token arrive.
-                            events_ready.append(self._token_chunk(index, delta, echoed[index]))
+                        response = await open_stream()
+                    add(source.batch(batch))
                     if self.queue.empty():
-                        await _send(response, events_ready)
+                        await send(response, ready)
             if response is None:
-                response = await self._open(request)
-            if self.call.include_usage:
-                events_ready.append(sse.event(self._chunk_body([]) | {"usage": self.usage()}))
-            events_ready.append(sse.DONE)
-            await _send(response, events_ready)
+                response = await open_stream()
+            add(source.closing())
+            await send(response, ready)
             await response.write_eof()
         except ClientGone:
             self.log.info("the client of %s went away mid-stream", self.id)
         except Exception as e:
-            error = _as_api_error(e, self.id, self.log)
+            error = as_api_error(e, self.id, self.log)
             if response is None:
                 raise error from None
-            # Headers are gone already: the error travels as a last event, as OpenAI's streams do.
+            add(source.failure(error))  # headers are gone already: the error travels as a last event
             with contextlib.suppress(ClientGone):
-                await _send(response, events_ready + [sse.event(error.body()), sse.DONE])
+                await send(response, ready)
         return response
+
+
+@dataclass(frozen=True, slots=True)
+class LaneEvent:
+    """One event of a stream (its encoded bytes, `data:` and any `event:` line) and its lane (gateway/resume.py)."""
+    lane: int
+    data: bytes
+
+
+class EventSource(Protocol):
+    """What a stream's events are made of, fed in order; a pure function of what it is fed, so that a stream picked
+    up again is the same events."""
+    lanes: int
+
+    def opening(self) -> list[LaneEvent]:
+        """The events that go out with the headers."""
+
+    def batch(self, batch: list[tuple[int, Delta]]) -> list[LaneEvent]:
+        """The events of the deltas the bus brought at once ((choice index, delta) each)."""
+
+    def closing(self) -> list[LaneEvent]:
+        """The events after every choice ended."""
+
+    def failure(self, error: ApiError) -> list[LaneEvent]:
+        """The events that end a stream whose call failed."""
+
+
+class ChoiceEvents:
+    """Chat's and completions' chunks, as OpenAI streams them: a lane per prompt, then the closing lane (usage if
+    asked for, `[DONE]`), which also takes an error."""
+
+    def __init__(self, generation: Generation) -> None:
+        self.generation = generation
+        self.n = generation.call.params.n
+        self.closing_lane = len(generation.call.prompts)
+        self.lanes = self.closing_lane + 1
+        self.echoed: dict[int, int] = {}  # per opened choice, the length of its echoed text
+
+    def opening(self) -> list[LaneEvent]:
+        return []
+
+    def batch(self, batch: list[tuple[int, Delta]]) -> list[LaneEvent]:
+        g, events = self.generation, []
+        for index, delta in batch:
+            g.generated[index] = g.generated.get(index, 0) + sum(r.generated for r in delta.logprobs)
+            lane = index // self.n
+            if index not in self.echoed:
+                text, prefix = g._prefix(index)
+                self.echoed[index] = len(text)
+                events += [LaneEvent(lane, e) for e in g._opening(index, text if g.call.echo is not None else None,
+                                                                  prefix, delta, not self.echoed.keys() - {index})]
+            else:
+                # One event per token, with empty text while its characters are unfinished or held back by a stop
+                # string, so that clients see every token arrive.
+                events.append(LaneEvent(lane, g._token_chunk(index, delta, self.echoed[index])))
+        return events
+
+    def closing(self) -> list[LaneEvent]:
+        g = self.generation
+        usage = [sse.event(g._chunk_body([]) | {"usage": g.usage()})] if g.call.include_usage else []
+        return [LaneEvent(self.closing_lane, e) for e in usage + [sse.DONE]]
+
+    def failure(self, error: ApiError) -> list[LaneEvent]:
+        return [LaneEvent(self.closing_lane, e) for e in (sse.event(error.body()), sse.DONE)]
 
 
 def _shifted(records: list[TokenLogprob], offset: int) -> list[TokenLogprob]:
@@ -366,7 +509,7 @@ class ClientGone(Exception):
     """Writing to the client failed: it disconnected."""
 
 
-async def _send(response: web.StreamResponse, events: list[bytes]) -> None:
+async def send(response: web.StreamResponse, events: list[bytes]) -> None:
     """Write `events` in one go, and empty the list."""
     data = b"".join(events)
     events.clear()
@@ -376,16 +519,16 @@ async def _send(response: web.StreamResponse, events: list[bytes]) -> None:
         raise ClientGone from None
 
 
-def _as_api_error(e: Exception, call_id: str, log: CallLog) -> ApiError:
+def as_api_error(e: Exception, call_id: str, log: CallLog) -> ApiError:
     if isinstance(e, RequestFailed):
-        return _failure(e)
+        return failure(e)
     if isinstance(e, ApiError):
         return e
     log.error("call %s failed", call_id, exc_info=e)
     return ApiError(500, f"internal error in the gateway ({type(e).__name__}); see its log", type="server_error")
 
 
-def _failure(e: RequestFailed) -> ApiError:
+def failure(e: RequestFailed) -> ApiError:
     """The scheduler's reason picks the status: a request it can never serve is the client's to fix (400), no
     worker in time is worth a retry (503), a worker failing is ours (500)."""
     if e.tokens:

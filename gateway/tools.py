@@ -10,9 +10,9 @@ parser below meets only calls it can read, and the model writes the format it wa
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,8 +149,10 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+def call_id(answer: str, index: int) -> str:
+    """The id of an answer's `index`th call: a function of the two, so that a stream replayed after a reconnect (or a
+    stored response read again) names its calls as it did."""
+    return "call_" + hashlib.sha256(f"{answer}/{index}".encode()).hexdigest()[:24]
 
 
 class CallParser:
@@ -160,8 +162,9 @@ class CallParser:
 
     TEXT, HEAD, ARGS, TAIL, PLAIN = range(5)
 
-    def __init__(self, fmt: CallFormat) -> None:
+    def __init__(self, fmt: CallFormat, answer: str) -> None:
         self.fmt = fmt
+        self.answer = answer  # names the answer its calls' ids derive from
         self.state = self.TEXT
         self.pending = ""  # text read but not yet given out
         self.opened: list[CallDelta] = []  # each call's first part: its index, id and name
@@ -260,7 +263,7 @@ class CallParser:
             self.complete += 1
 
     def _open(self, name: str, arguments: str) -> CallDelta:
-        opened = CallDelta(len(self.opened), call_id(), name, arguments)
+        opened = CallDelta(len(self.opened), call_id(self.answer, len(self.opened)), name, arguments)
         self.opened.append(opened)
         self.arguments.append(arguments)
         return opened
@@ -312,8 +315,8 @@ class CallParser:
         self.state = self.TEXT
 
 
-def parse(fmt: CallFormat, text: str) -> tuple[str, list[ToolCall]]:
-    """A whole answer: its text (less its calls) and its calls."""
-    parser = CallParser(fmt)
+def parse(fmt: CallFormat, text: str, answer: str) -> tuple[str, list[ToolCall]]:
+    """A whole answer (named `answer`): its text (less its calls) and its calls."""
+    parser = CallParser(fmt, answer)
     return parser.feed(text, end=True).content, parser.calls
 

@@ -1,12 +1,13 @@
 """`pagedserve up`: a whole local stack as child processes of one command, kept running.
 
-It refuses to start (exit 2) when the gateway's port is taken. Unless a Redis URL is given it starts a
+It refuses to start (exit 2) when a gateway's port is taken. Unless a Redis URL is given it starts a
 private redis-server: AOF on, in a private directory, protected mode on and a generated password that
 goes in a config file (mode 0600) there, never on a command line (`ps` shows those). The services get
-the password inside PAGEDSERVE_REDIS_URL in their environment. Then the scheduler, N workers and the
-gateway (`python -m <service>`, settings as PAGEDSERVE_* variables). `ready: http://HOST:PORT` goes to
-stdout once every child is ready: its own gateway answers /health with 200 and all N workers have a live
-heartbeat. A child that exits is restarted as `restart_policy` says (redis-server on the same port,
+the password inside PAGEDSERVE_REDIS_URL in their environment. Then the scheduler, N workers and M
+gateways, gateway i on port + i (`python -m <service>`, settings as PAGEDSERVE_* variables). `ready:
+http://HOST:PORT` (the first gateway) goes to stdout once every child is ready: every gateway answers
+/health with 200 and all N workers have a live heartbeat; the log names the other gateways' URLs. A
+child that exits is restarted as `restart_policy` says (redis-server on the same port,
 directory and config, so its AOF keeps the data); the stack stops on Ctrl-C or SIGTERM (exit 0) or when
 a child cannot start at all (exit 1). Logs go to stderr, one line per start and per exit; no password.
 """
@@ -50,11 +51,44 @@ REDIS_MISSING = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of `pagedserve up`: its own two plus every setting."""
+    """The flags of `pagedserve up`: its own three plus every setting."""
     parser.add_argument("--workers", type=int, default=1, help="number of worker processes (default 1)")
+    parser.add_argument("--gateways", type=int, default=1,
+                        help="number of gateway processes, gateway i on --port + i (default 1)")
     parser.add_argument("--redis-port", type=int, default=0,
                         help="port of the local redis-server (default: a free one; unused with --redis-url)")
     Settings.add_arguments(parser)
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """What `up` runs beside its settings, from its own flags: how many workers and gateways, and its Redis port."""
+    workers: int = 1
+    gateways: int = 1
+    redis_port: int = 0  # 0: a free one
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Shape:
+        return cls(workers=args.workers, gateways=args.gateways, redis_port=args.redis_port)
+
+    def problem(self, port: int) -> str | None:
+        """Why this shape cannot run with the first gateway on `port` (said before exit 2), or None."""
+        if self.workers < 1:
+            return f"--workers must be at least 1; got {self.workers}"
+        if self.gateways < 1:
+            return f"--gateways must be at least 1; got {self.gateways}"
+        if port + self.gateways - 1 > 65535:
+            return f"--gateways {self.gateways} from --port {port} needs ports past 65535"
+        return None
+
+    def gateway_ports(self, port: int) -> dict[str, int]:
+        """Each gateway's child name and port: gateway i listens on `port` + i."""
+        return {gateway_name(i): port + i for i in range(self.gateways)}
+
+
+def gateway_name(index: int) -> str:
+    """The child name of gateway `index`; the first keeps the name that a one-gateway stack's logs have always had."""
+    return "gateway" if index == 0 else f"gateway-{index}"
 
 
 def settings_for_up(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Settings:
@@ -72,7 +106,7 @@ def main(args: argparse.Namespace) -> int:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("pagedserve: %(message)s"))
     logging.basicConfig(level=settings.log_level.upper(), handlers=[handler])
-    return up(settings, args.workers, args.redis_port)
+    return up(settings, Shape.from_args(args))
 
 
 def say(message: str) -> None:
@@ -90,6 +124,11 @@ def settings_env(settings: Settings) -> dict[str, str]:
         value = getattr(settings, f.name)
         env[ENV_PREFIX + f.name.upper()] = ("true" if value else "false") if isinstance(value, bool) else str(value)
     return env
+
+
+def http_url(host: str, port: int) -> str:
+    """The URL of a server on host:port, an IPv6 address in brackets."""
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
 
 def free_port() -> int:
@@ -189,12 +228,13 @@ class Stack:
                     ENV_PREFIX + "CPU_CORES": format_cores(place.cores)}
         self.spawn(self.service(worker_id, "worker", "gpu_worker", env))
 
-    def start_services(self, workers: int, gateway: bool = True) -> None:
+    def start_services(self, workers: int, gateway_ports: dict[str, int]) -> None:
+        """The scheduler, `workers` workers and a gateway per name in `gateway_ports`, listening on its port."""
         self.start_scheduler()
         for i in range(workers):
             self.start_worker(f"worker-{i}", i, workers)
-        if gateway:
-            self.spawn(self.service("gateway", "gateway", "gateway"))
+        for name, port in gateway_ports.items():
+            self.spawn(self.service(name, "gateway", "gateway", {ENV_PREFIX + "PORT": str(port)}))
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Signal one child and wait for it to exit (a fault, or with SIGTERM a deliberate stop)."""
@@ -298,16 +338,22 @@ def _health(url: str) -> int | None:
         return None
 
 
+@dataclass(frozen=True, slots=True)
+class Observed:
+    """What one look at the stack saw."""
+    ready: frozenset[str]  # names of the children that are ready
+    serving: bool  # every gateway answered /health with 200 (it does once a worker is alive)
+
+
 @dataclass(slots=True)
 class Readiness:
     """Which children are ready, from the outside: redis-server answers PING, the scheduler holds its lease, a
-    worker's heartbeat is alive, the gateway answers /health (200 once a worker is alive)."""
+    worker's heartbeat is alive, a gateway answers /health at its URL (`gateway_urls`, by child name)."""
     redis_url: str
-    gateway_url: str
+    gateway_urls: dict[str, str]
     keys: Keys = field(default_factory=Keys)
 
-    def check(self, children: list[Child]) -> tuple[set[str], int | None]:
-        """(names of the ready children, the gateway's /health status)."""
+    def check(self, children: list[Child]) -> Observed:
         import redis
 
         ready: set[str] = set()
@@ -326,10 +372,10 @@ class Readiness:
                 ready |= {c.name for c, ok in zip(on_redis, pipe.execute()) if ok}
         except (redis.RedisError, OSError):
             pass
-        health = _health(self.gateway_url) if any(c.spec.kind == "gateway" for c in children) else None
-        if health is not None:
-            ready |= {c.name for c in children if c.spec.kind == "gateway"}
-        return ready, health
+        health = {c.name: _health(self.gateway_urls[c.name]) for c in children if c.spec.kind == "gateway"}
+        ready |= {name for name, status in health.items() if status is not None}
+        serving = set(health) == set(self.gateway_urls) and all(status == 200 for status in health.values())
+        return Observed(frozenset(ready), serving)
 
 
 def ensure_model(settings: Settings) -> Settings:
@@ -347,16 +393,18 @@ def ensure_model(settings: Settings) -> Settings:
                             served_model_name=model_dir.served_name(settings.served_model_name))
 
 
-def up(settings: Settings, workers: int, redis_port: int = 0, policy: RestartPolicy = RestartPolicy(),
+def up(settings: Settings, shape: Shape = Shape(), policy: RestartPolicy = RestartPolicy(),
        scheduler_module: str = "scheduler") -> int:
     """Run the stack until Ctrl-C/SIGTERM (0) or until a child cannot start (1); 2 for bad arguments or a
     port in use. `scheduler_module` runs another scheduler service (benchmarks' baselines)."""
-    if workers < 1:
-        say(f"--workers must be at least 1; got {workers}")
+    problem = shape.problem(settings.port)
+    if problem is not None:
+        say(problem)
         return 2
-    busy = port_in_use(settings.host, settings.port)
-    if busy is None and not settings.redis_url and redis_port:
-        busy = port_in_use("127.0.0.1", redis_port)
+    gateways = shape.gateway_ports(settings.port).values()
+    busy = next(filter(None, (port_in_use(settings.host, port) for port in gateways)), None)
+    if busy is None and not settings.redis_url and shape.redis_port:
+        busy = port_in_use("127.0.0.1", shape.redis_port)
     if busy is not None:
         say(f"cannot listen on {busy}; another server is probably there. Stop it, or pick other ports with "
             "--port (and --redis-port); nothing was started")
@@ -375,17 +423,17 @@ def up(settings: Settings, workers: int, redis_port: int = 0, policy: RestartPol
 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _run(stack, workers, redis_port, policy)
+        return _run(stack, shape, policy)
     finally:
         stack.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def _run(stack: Stack, workers: int, redis_port: int, policy: RestartPolicy) -> int:
+def _run(stack: Stack, shape: Shape, policy: RestartPolicy) -> int:
     settings = stack.settings
     if not settings.redis_url:
-        url = stack.start_redis(redis_port)
+        url = stack.start_redis(shape.redis_port)
         if url is None:
             return 1
         stack.settings = settings = settings.replace(redis_url=url)
@@ -393,11 +441,11 @@ def _run(stack: Stack, workers: int, redis_port: int, policy: RestartPolicy) -> 
         say(f"no Redis answers at {redact(settings.redis_url)}; start one or drop --redis-url to let pagedserve "
             "start it")
         return 1
-    stack.start_services(workers)
-    host = settings.host if ":" not in settings.host else f"[{settings.host}]"
-    probe = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else host
-    public = f"http://{host}:{settings.port}"
-    readiness = Readiness(settings.redis_url, f"http://{probe}:{settings.port}")
+    gateway_ports = shape.gateway_ports(settings.port)
+    stack.start_services(shape.workers, gateway_ports)
+    probe = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
+    public = [http_url(settings.host, port) for port in gateway_ports.values()]
+    readiness = Readiness(settings.redis_url, {name: http_url(probe, port) for name, port in gateway_ports.items()})
     history = {name: ChildRestarts(policy, child.started_at, ever_ready=child.spec.kind == "redis")
                for name, child in stack.children.items()}
     pending: dict[str, tuple[float, ChildSpec]] = {}  # name → (when to restart it, how)
@@ -418,10 +466,10 @@ def _run(stack: Stack, workers: int, redis_port: int, policy: RestartPolicy) -> 
                 del pending[name]
                 history[name].started(stack.spawn(spec).started_at)
         if not announced:
-            ready, health = readiness.check(list(stack.children.values()))
-            for name in ready:
+            seen = readiness.check(list(stack.children.values()))
+            for name in seen.ready:
                 history[name].ready()
-            if health == 200 and not pending and ready == set(stack.children):
+            if seen.serving and not pending and seen.ready == set(stack.children):
                 announced = True
                 _announce(public, settings)
         time.sleep(POLL_S)
@@ -429,10 +477,13 @@ def _run(stack: Stack, workers: int, redis_port: int, policy: RestartPolicy) -> 
     return 0
 
 
-def _announce(public: str, settings: Settings) -> None:
-    print(f"ready: {public}", flush=True)
+def _announce(public: list[str], settings: Settings) -> None:
+    """The first gateway's URL on stdout, the only line there; the others' and a request to try in the log."""
+    print(f"ready: {public[0]}", flush=True)
+    if len(public) > 1:
+        say(f"other gateways at {', '.join(public[1:])}")
     name = settings.served_model_name
     auth = " -H \"Authorization: Bearer $PAGEDSERVE_API_KEY\"" if settings.api_key else ""
     body = json.dumps({"model": name, "messages": [{"role": "user", "content": "What is the capital of France?"}],
                        "max_tokens": 32, "temperature": 0})
-    say(f"try: curl -s {public}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
+    say(f"try: curl -s {public[0]}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'")

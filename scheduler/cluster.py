@@ -33,6 +33,13 @@ class WorkerChanges:
     refused: list[tuple[str, str]] = field(default_factory=list)  # (worker id, why)
 
 
+@dataclass(slots=True)
+class Orphans:
+    """What became of a gone gateway's requests."""
+    taken_up: int = 0  # by another gateway, whose client reconnected there
+    aborted: int = 0
+
+
 class Cluster:
     def __init__(self, settings: Settings, epoch: int = 0,
                  worker_scheduler: type[WorkerScheduler] | None = None) -> None:
@@ -44,6 +51,7 @@ class Cluster:
         self.requests: dict[str, RequestState] = {}
         self.unplaced: list[RequestState] = []  # no worker yet; arrival order
         self.finished: list[FinishedRequest] = []
+        self.gateways_down: dict[str, float] = {}  # gateway → when its heartbeat was first seen expired
         self.placements: list[tuple[str, str]] = []  # (rid, worker id): Assignments to write before any plan
         self.early_aborts: dict[str, tuple[str, float]] = {}  # rid → (reason, when) of aborts ahead of their request
         self.stalled: dict[str, str] = {}  # worker id → the instance that overran step_timeout
@@ -233,15 +241,32 @@ class Cluster:
 
     def gateway_ids(self) -> set[str]:
         """The gateways whose requests run here (requests with no gateway are never aborted for one)."""
-        return {rs.req.gateway_id for rs in self.requests.values() if rs.req.gateway_id}
+        return {rs.gateway_id for rs in self.requests.values() if rs.gateway_id}
 
-    def gateway_gone(self, gateway_id: str, now: float) -> int:
-        """Abort the requests of a gateway that is gone: nobody will read their tokens. How many."""
-        rids = [rid for rid, rs in self.requests.items()
-                if rs.req.gateway_id == gateway_id and rs.status is not Status.FINISHED]
-        for rid in rids:
-            self.abort(rid, "abort", now)
-        return len(rids)
+    def orphaned(self, down: set[str], now: float) -> list[str]:
+        """Of the gateways `down` (their heartbeat expired), those gone for the reconnect grace period: a client
+        of theirs that reconnected elsewhere within it has its stream taken up by that gateway."""
+        self.gateways_down = {g: self.gateways_down.get(g, now) for g in down}
+        return sorted(g for g, since in self.gateways_down.items() if now - since >= self.settings.reconnect_grace)
+
+    def requests_of(self, gateway_id: str) -> list[str]:
+        return [rid for rid, rs in self.requests.items()
+                if rs.gateway_id == gateway_id and rs.status is not Status.FINISHED]
+
+    def gateway_gone(self, gateway_id: str, now: float, taken_up: dict[str, str] | None = None) -> Orphans:
+        """A gateway is gone: each of its requests goes to the live gateway that took its stream up (`taken_up`:
+        rid → gateway), or is aborted, as nobody will read its tokens."""
+        taken_up = taken_up or {}
+        self.gateways_down.pop(gateway_id, None)
+        orphans = Orphans()
+        for rid in self.requests_of(gateway_id):
+            if rid in taken_up:
+                self.requests[rid].gateway_id = taken_up[rid]
+                orphans.taken_up += 1
+            else:
+                self.abort(rid, "abort", now)
+                orphans.aborted += 1
+        return orphans
 
     def expire(self, now: float) -> None:
         """Fail the requests that waited for a worker over request_timeout; forget old early aborts."""

@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import redis
@@ -39,6 +40,13 @@ SNAPSHOT_TTL_MS = 5_000  # a dashboard shows no snapshot of a scheduler that sto
 Command = tuple[str, tuple, dict]
 
 
+@dataclass(frozen=True, slots=True)
+class Queued:
+    """A request's entry in the requests stream (acknowledged when it ends) and how long its out: stream is kept."""
+    entry_id: bytes
+    retention: float
+
+
 class SchedulerService:
     def __init__(self, settings: Settings, keys: Keys | None = None,
                  worker_scheduler: type[WorkerScheduler] | None = None) -> None:
@@ -50,7 +58,7 @@ class SchedulerService:
         self.cluster = Cluster(settings, worker_scheduler=worker_scheduler)
         self.monitor = CacheMonitor()
         self.watched = False  # whether a dashboard's watch key was alive at the last tick
-        self.entry_ids: dict[str, bytes] = {}  # rid → its entry in the requests stream, acked at the end
+        self.queued: dict[str, Queued] = {}  # rid → its entry in the requests stream, acked at the end
         self.lease = Lease(self.client, self.keys.scheduler_lease, self.name, int(settings.heartbeat_ttl * 1000))
         self.reread_pending = False
         self.stop_event = asyncio.Event()
@@ -65,12 +73,12 @@ class SchedulerService:
         epoch = max(int(await self.client.incr(self.keys.epoch)), int(time.time() * 1000))
         await self.client.set(self.keys.epoch, epoch)
         self.cluster = Cluster(self.settings, epoch, self.worker_scheduler)
-        self.entry_ids = {}
+        self.queued = {}
         await self._create_group()
         await self._sync_workers()
         await self._recover_pending()
         log.info("scheduler %s ready (epoch %d, %d workers, %d resumed requests)", self.name, epoch,
-                 len(self.cluster.worker_ids), len(self.entry_ids))
+                 len(self.cluster.worker_ids), len(self.queued))
 
     async def _recover_pending(self) -> None:
         """Claim every request a dead scheduler left unacknowledged and resume it from its `out:` stream."""
@@ -95,7 +103,7 @@ class SchedulerService:
         entries = [decode_entry(key, out_id, out_fields, (TokenOutput, Assignment))
                    for out_id, out_fields in await self.client.xrange(key)]
         if self.cluster.resume(req, [e for e in entries if e is not None]):
-            self.entry_ids[req.rid] = entry_id
+            self.queued[req.rid] = Queued(entry_id, req.retention)
         else:
             await self._drop(entry_id)
 
@@ -142,13 +150,13 @@ class SchedulerService:
         for _, entries in reply or []:
             for entry_id, fields in entries:
                 req = decode_entry(self.keys.requests, entry_id, fields, Request)
-                known = self.entry_ids.get(req.rid) if req is not None else None
-                if known == entry_id:
+                known = self.queued.get(req.rid) if req is not None else None
+                if known is not None and known.entry_id == entry_id:
                     continue
                 if req is None or known is not None:
                     await self._drop(entry_id)  # malformed, or a second request with a live rid
                     continue
-                self.entry_ids[req.rid] = entry_id
+                self.queued[req.rid] = Queued(entry_id, req.retention)
                 self.cluster.add_request(req)
         if reply:
             await self.pump()
@@ -213,11 +221,13 @@ class SchedulerService:
         key = self.keys.out(done.rid)
         commands: list[Command] = [("xadd", (key, {FIELD: encode(entry)}), {})
                                    for entry in done.stream_entries(self.cluster.epoch)]
-        commands.append(("pexpire", (key, int(self.settings.out_stream_ttl * 1000)), {}))
-        entry_id = self.entry_ids.pop(done.rid, None)
-        if entry_id is not None:
-            commands.append(("xack", (self.keys.requests, self.keys.scheduler_group, entry_id), {}))
-            commands.append(("xdel", (self.keys.requests, entry_id), {}))
+        queued = self.queued.pop(done.rid, None)
+        ttl = max(self.settings.out_stream_ttl, queued.retention if queued is not None else 0.0)
+        commands.append(("pexpire", (key, int(ttl * 1000)), {}))
+        commands.append(("pexpire", (self.keys.reader(done.rid), int(ttl * 1000)), {}))  # resumable as long
+        if queued is not None:
+            commands.append(("xack", (self.keys.requests, self.keys.scheduler_group, queued.entry_id), {}))
+            commands.append(("xdel", (self.keys.requests, queued.entry_id), {}))
         return commands
 
     async def _sync_workers(self) -> None:
@@ -233,19 +243,28 @@ class SchedulerService:
         if forget:
             await self.client.hdel(self.keys.workers, *forget)
 
-    async def _abort_orphans(self) -> None:
-        """Abort the requests of gateways whose heartbeat expired: nobody will read their tokens."""
+    async def _abort_orphans(self, now: float) -> None:
+        """The requests of a gateway whose heartbeat expired run on for the reconnect grace period; then each goes to
+        the live gateway whose client took its stream up (the request's reader key names it), or is aborted."""
         gateways = sorted(self.cluster.gateway_ids())
         if not gateways:
             return
+        alive = await self._alive(gateways)
+        for gateway_id in self.cluster.orphaned({g for g in gateways if not alive[g]}, now):
+            rids = self.cluster.requests_of(gateway_id)
+            readers = await self.client.mget([self.keys.reader(rid) for rid in rids]) if rids else []
+            holders = {rid: r.decode().partition(":")[0] for rid, r in zip(rids, readers) if r}
+            holders = {rid: g for rid, g in holders.items() if g != gateway_id}
+            live = await self._alive(sorted(set(holders.values())))
+            orphans = self.cluster.gateway_gone(gateway_id, now, {rid: g for rid, g in holders.items() if live[g]})
+            log.warning("gateway %s is gone; %d of its requests taken up by other gateways, %d aborted", gateway_id,
+                        orphans.taken_up, orphans.aborted)
+
+    async def _alive(self, gateways: list[str]) -> dict[str, bool]:
         async with self.client.pipeline(transaction=False) as pipe:
             for gateway_id in gateways:
                 pipe.exists(self.keys.gateway_alive(gateway_id))
-            alive = await pipe.execute()
-        for gateway_id, up in zip(gateways, alive):
-            if not up:
-                count = self.cluster.gateway_gone(gateway_id, time.time())
-                log.warning("gateway %s is gone; aborted its %d requests", gateway_id, count)
+            return dict(zip(gateways, map(bool, await pipe.execute())))
 
     async def _tick(self) -> None:
         if not await self.lease.renew():
@@ -257,8 +276,8 @@ class SchedulerService:
             log.error("worker %s has not finished step %d in %.0f s (step_timeout); moving its requests and "
                       "sending it nothing until it restarts", worker_id, step_id, waited)
         await self._sync_workers()
-        await self._abort_orphans()
         now = time.time()
+        await self._abort_orphans(now)
         self.cluster.expire(now)
         await self._publish_state(now)
         await self.pump()

@@ -78,6 +78,25 @@ class Keys:
         returns and takes in the new requests' streams."""
         return f"{self.prefix}:gateway:{instance}:wake"
 
+    def reader(self, rid: str) -> str:
+        """The token of the gateway connection that streams a request to its client now (`instance:nonce`): a gateway
+        whose client went away aborts the request after the grace period only if no other connection took it up."""
+        return f"{self.prefix}:reader:{rid}"
+
+    def call(self, call_id: str) -> str:
+        """Hash holding a streamed API call's record (its route, body and owner), so that any gateway can pick its
+        stream up again."""
+        return f"{self.prefix}:call:{call_id}"
+
+    def response(self, response_id: str) -> str:
+        """Hash holding a stored response of the Responses API."""
+        return f"{self.prefix}:response:{response_id}"
+
+    @property
+    def responses(self) -> str:
+        """Sorted set of stored response ids by creation time: the store's bound evicts the oldest."""
+        return f"{self.prefix}:responses"
+
     def out(self, rid: str) -> str:
         """Stream of TokenOutput for one request."""
         return f"{self.prefix}:out:{rid}"

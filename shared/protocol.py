@@ -40,6 +40,7 @@ class Request:
     params: SamplingParams
     arrival_time: float
     gateway_id: str = ""  # the submitting gateway's instance: its requests are aborted once it is gone
+    retention: float = 0.0  # seconds its out: stream is kept after it ends, if longer than the default (stored)
 
 
 @dataclass(slots=True)

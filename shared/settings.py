@@ -68,10 +68,17 @@ class Settings:
     step_timeout: float = _opt(300.0, "seconds a worker may take over one step before the scheduler gives up on "
                                "it until it restarts, and moves its requests (0 = wait forever)")
     out_stream_ttl: float = _opt(300.0, "seconds a finished request's token stream is kept")
+    reconnect_grace: float = _opt(10.0, "seconds a streamed request runs on after its client (or its gateway) is "
+                                  "gone, so that a client reconnecting with Last-Event-ID loses nothing; 0 = abort "
+                                  "at once, freeing its KV blocks sooner")
     # gateway
     host: str = _opt("127.0.0.1", "address the gateway listens on")
     port: int = _opt(8000, "port the gateway listens on")
-    api_key: str = _opt("", "if set, clients must send `Authorization: Bearer <key>`")
+    api_key: str = _opt("", "if set, clients must send `Authorization: Bearer <key>`; several keys separated by "
+                        "commas each have their own stored responses")
+    response_ttl: float = _opt(86400.0, "seconds a stored response (and its events) is kept for retrieval and "
+                               "replay")
+    max_stored_responses: int = _opt(10000, "stored responses kept at most; past it the oldest is deleted")
     max_waiting_requests: int = _opt(1024, "requests waiting beyond this get 429")
     max_call_tokens: int = _opt(1 << 20, "most work one API call may queue: its prompts x n x (prompt tokens + "
                                 "max_tokens); a call over it gets 400")
@@ -96,7 +103,7 @@ class Settings:
         if not 0.0 <= self.watermark < 1.0:
             raise SettingsError(f"watermark must be in [0, 1); got {self.watermark}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "max_body_bytes",
-                     "max_call_tokens", "redis_max_connections"):
+                     "max_call_tokens", "redis_max_connections", "max_stored_responses"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be at least 1; got {getattr(self, name)}")
         for name in ("max_model_len", "num_blocks", "kv_cache_bytes", "swap_space_bytes", "compute_threads"):
@@ -104,8 +111,10 @@ class Settings:
                 raise SettingsError(f"{name} must be 0 or more; got {getattr(self, name)}")
         if not 0 < self.port < 65536:
             raise SettingsError(f"port must be in 1-65535; got {self.port}")
-        if self.heartbeat_ttl <= 0 or self.request_timeout <= 0 or self.out_stream_ttl <= 0:
-            raise SettingsError("heartbeat_ttl, request_timeout and out_stream_ttl must be positive")
+        if min(self.heartbeat_ttl, self.request_timeout, self.out_stream_ttl, self.response_ttl) <= 0:
+            raise SettingsError("heartbeat_ttl, request_timeout, out_stream_ttl and response_ttl must be positive")
+        if self.reconnect_grace < 0:
+            raise SettingsError(f"reconnect_grace must be 0 or more; got {self.reconnect_grace}")
 
     def replace(self, **changes: Any) -> "Settings":
         return dataclasses.replace(self, **changes)

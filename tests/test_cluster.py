@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from sched_sim import SimWorker, drive
-from scheduler.cluster import Cluster
+from scheduler.cluster import Cluster, Orphans
 from scheduler.request import FinishedRequest
 from shared.protocol import Assignment, Request, TokenOutput, WorkerRegistration
 from shared.sampling import SamplingParams
@@ -92,11 +92,26 @@ def test_the_requests_of_a_gateway_that_is_gone_are_aborted_and_their_blocks_fre
     sims = {"w0": SimWorker(reg("w0"), pick)}
     drive(cluster, sims, rounds=2)
     assert cluster.gateway_ids() == {"gw-a", "gw-b"}, "a request with no gateway is never orphaned"
-    assert cluster.gateway_gone("gw-a", 5.0) == 2
+    assert cluster.gateway_gone("gw-a", 5.0) == Orphans(taken_up=0, aborted=2)
     assert sorted((f.rid, f.finish_reason) for f in cluster.pop_finished()) == [("a1", "abort"), ("a2", "abort")]
     ws = cluster.workers["w0"]
     held = {s.seq_id for rs in ws.running for s in rs.seqs}
     assert set(ws.kv.seqs) == held and {rs.rid for rs in ws.running} == {"b1", "t1"}
+
+
+def test_a_gone_gateways_requests_wait_out_the_grace_period_and_go_to_the_gateway_that_took_them_up():
+    cluster = Cluster(Settings(block_size=BS, async_scheduling=False, reconnect_grace=10.0))
+    cluster.sync_workers({"w0": reg("w0")})
+    for rid in ("a1", "a2"):
+        cluster.add_request(request(rid, max_tokens=50, gateway="gw-a"))
+    drive(cluster, {"w0": SimWorker(reg("w0"), pick)}, rounds=2)
+    assert cluster.orphaned({"gw-a"}, 100.0) == [] and cluster.orphaned({"gw-a"}, 109.9) == []
+    assert cluster.orphaned(set(), 109.95) == [], "a gateway whose heartbeat came back starts its grace again"
+    assert cluster.orphaned({"gw-a"}, 110.0) == [] and cluster.orphaned({"gw-a"}, 120.0) == ["gw-a"]
+    assert cluster.gateway_gone("gw-a", 120.0, {"a2": "gw-b"}) == Orphans(taken_up=1, aborted=1)
+    assert [(f.rid, f.finish_reason) for f in cluster.pop_finished()] == [("a1", "abort")]
+    assert cluster.gateway_ids() == {"gw-b"} and cluster.requests_of("gw-b") == ["a2"]
+    assert cluster.orphaned({"gw-b"}, 121.0) == [], "the gateway that took a request up has a grace period of its own"
 
 
 def test_a_request_resumes_from_what_its_stream_holds_by_the_readers_rules():

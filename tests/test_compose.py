@@ -196,6 +196,11 @@ def test_the_gateway_is_published_on_loopback_unless_an_address_is_given(compose
     assert exposed["services"]["gateway"]["ports"] == ["0.0.0.0:9000:8000"]
 
 
+def test_the_gateway_has_no_fixed_name_so_that_it_scales_behind_a_load_balancer(compose):
+    # The README's `--scale gateway=N`: an override resets its one published port, and nothing else may collide.
+    assert not {"container_name", "hostname"} & set(compose["gateway"])
+
+
 def test_gpu_workers_reserve_a_gpu_and_can_be_scaled(compose):
     worker = compose["gpu_worker"]
     (device,) = worker["deploy"]["resources"]["reservations"]["devices"]

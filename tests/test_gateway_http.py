@@ -205,11 +205,16 @@ def aborts(url: str) -> list[Abort]:
     return [decode(f[FIELD.encode()], Abort) for _, f in redis.Redis.from_url(url).xrange(KEYS.control)]
 
 
-def sse_events(body: str) -> list[str]:
+def sse_frames(body: str) -> list[tuple[str, str]]:
+    """(id, data) of each event: every event has its id, then one data line."""
     assert body.endswith("\n\n")
-    frames = body.split("\n\n")[:-1]
-    assert all(f.startswith("data: ") for f in frames), frames
-    return [f[len("data: "):] for f in frames]
+    frames = [f.split("\n") for f in body.split("\n\n")[:-1]]
+    assert all(len(f) == 2 and f[0].startswith("id: ") and f[1].startswith("data: ") for f in frames), frames
+    return [(f[0][len("id: "):], f[1][len("data: "):]) for f in frames]
+
+
+def sse_events(body: str) -> list[str]:
+    return [data for _, data in sse_frames(body)]
 
 
 @pytest.fixture(scope="module")
@@ -567,15 +572,15 @@ def test_a_request_that_fails_after_tokens_is_a_500_or_a_last_sse_error(base, mo
     assert "".join(ch["text"] for e in events[:-2] for ch in json.loads(e)["choices"]) == "partial text"
 
 
-def test_a_client_that_disconnects_gets_its_request_aborted(base, model, redis_url):
+def test_a_client_that_disconnects_gets_its_request_aborted_at_once_with_no_grace_period(base, model, redis_url):
     async def read_one_line_and_leave(gw: LiveGateway) -> bytes:
         resp = await gw.session.post(gw.url + "/v1/completions", json={"prompt": "hi", "stream": True})
         first = await resp.content.readline()
         resp.close()
         return first
 
-    with LiveGateway(base, model, answer(model, ["endless output"], finish=None)) as gw:
-        assert gw.run(read_one_line_and_leave(gw)).startswith(b"data: ")
+    with LiveGateway(base.replace(reconnect_grace=0), model, answer(model, ["endless output"], finish=None)) as gw:
+        assert gw.run(read_one_line_and_leave(gw)).startswith(b"id: ")
         wait_until(lambda: len(aborts(redis_url)) == 1, "the streaming request's abort")
         with pytest.raises(asyncio.TimeoutError):
             gw.run(gw.request("POST", "/v1/completions", {"prompt": "hi"}, timeout=1.0))
@@ -584,11 +589,44 @@ def test_a_client_that_disconnects_gets_its_request_aborted(base, model, redis_u
     assert [a.rid for a in aborts(redis_url)] == rids
 
 
+def test_a_streaming_client_that_goes_runs_on_for_the_grace_period_and_one_that_comes_back_is_not_aborted(
+        base, model, redis_url):
+    body = {"prompt": "hi", "stream": True}
+
+    async def read_one(gw: LiveGateway, headers: dict[str, str] | None = None) -> tuple[aiohttp.ClientResponse, str]:
+        resp = await gw.session.post(gw.url + "/v1/completions", json=body, headers=headers or {})
+        assert resp.status == 200, await resp.text()
+        return resp, (await resp.content.readline()).decode().removeprefix("id: ").strip()
+
+    async def leave(resp: aiohttp.ClientResponse) -> None:
+        resp.close()
+
+    grace = 1.5
+    with LiveGateway(base.replace(reconnect_grace=grace), model, answer(model, ["endless output"], finish=None)) as gw:
+        before = len(aborts(redis_url))
+        resp, _ = gw.run(read_one(gw))
+        gw.run(leave(resp))
+        time.sleep(grace / 3)
+        assert len(aborts(redis_url)) == before, "no abort within the grace period"
+        wait_until(lambda: len(aborts(redis_url)) == before + 1, "the abort once the grace period is over")
+        resp, first = gw.run(read_one(gw))
+        gw.run(leave(resp))
+        time.sleep(grace / 3)
+        again, second = gw.run(read_one(gw, {"Last-Event-ID": first}))
+        call, _, count = first.partition(":")
+        assert second == f"{call}:{int(count.split('.')[0]) + 1}.0", "the event after the last one had"
+        time.sleep(grace * 1.5)
+        assert len(aborts(redis_url)) == before + 1, "the stream picked up again is not aborted"
+        gw.run(leave(again))
+        wait_until(lambda: len(aborts(redis_url)) == before + 2, "its abort once its new client is gone too")
+        assert aborts(redis_url)[-1].rid.startswith(call)
+
+
 def test_the_streams_of_many_requests_are_read_on_one_connection(base, model, redis_url):
     async def open_streams(gw: LiveGateway, count: int) -> list[aiohttp.ClientResponse]:
         resps = [await gw.session.post(gw.url + "/v1/completions", json={"prompt": "hi", "stream": True})
                  for _ in range(count)]
-        assert all([(await r.content.readline()).startswith(b"data: ") for r in resps])
+        assert all([(await r.content.readline()).startswith(b"id: ") for r in resps])
         return resps
 
     async def close(resps: list[aiohttp.ClientResponse]) -> None:

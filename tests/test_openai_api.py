@@ -82,8 +82,9 @@ def stack(tiny_model_dir, tmp_path_factory):
     port = free_port()
     up = UpProcess.start(["--workers", "2", "--model", str(tiny_model_dir), "--port", str(port), "--redis-port",
                    str(free_port()), "--dtype", "float32", "--api-key", KEY, "--max-body-bytes", str(BODY_LIMIT),
-                   "--max-waiting-requests", str(MAX_WAITING), "--heartbeat-ttl", "2", "--kv-cache-bytes",
-                   str(16 << 20), "--swap-space-bytes", str(16 << 20)], tmp_path_factory.mktemp("stack") / "up.log")
+                   "--max-waiting-requests", str(MAX_WAITING), "--heartbeat-ttl", "2", "--reconnect-grace", "1",
+                   "--kv-cache-bytes", str(16 << 20), "--swap-space-bytes", str(16 << 20)],
+                   tmp_path_factory.mktemp("stack") / "up.log")
     try:
         assert up.url == f"http://127.0.0.1:{port}", up.url
         yield Stack(up, up.redis_url())
@@ -315,6 +316,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(stack):
     conn.request("POST", "/v1/completions", json.dumps(body), {"Authorization": f"Bearer {KEY}",
                                                                "Content-Type": "application/json"})
     resp = conn.getresponse()
+    assert resp.readline().startswith(b"id: ")
     first = json.loads(resp.readline().decode().removeprefix("data: "))
     resp.readline()
     wait_for(lambda: not idle(stack), "the long request to show as running, holding KV blocks")

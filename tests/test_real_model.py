@@ -341,6 +341,50 @@ def test_langchain_structured_output_and_bound_tools_work_against_the_stack(stac
     jsonschema.validate(call["args"], TOOLS[0]["function"]["parameters"])
 
 
+def test_an_openai_agents_loop_with_one_tool_runs_against_the_responses_api(stack32):
+    """The openai-agents SDK's default model class calls /v1/responses: a call forced first (the SDK lets the model
+    choose after it), the tool's output sent back as a function_call_output item, then the model's answer."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    asked: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        asked.append(city)
+        return f"It is sunny in {city}."
+
+    client = openai.AsyncOpenAI(base_url=stack32.up.url + "/v1", api_key=KEY, max_retries=0, timeout=180)
+    agent = Agent(name="weather", instructions="Answer with the weather.", tools=[get_weather],
+                  model=OpenAIResponsesModel(model=CHAT_MODEL_NAME, openai_client=client),
+                  model_settings=ModelSettings(tool_choice="required", max_tokens=200, temperature=0))
+    result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=4))
+    assert asked and all(city == "Paris" for city in asked)
+    assert "sunny" in result.final_output and "Paris" in result.final_output
+
+
+def test_anthropic_tool_use_blocks_validate_and_their_results_are_answered(stack32):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=stack32.up.url, api_key=KEY, max_retries=0, timeout=180)
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    sent = {"model": CHAT_MODEL_NAME, "max_tokens": 120, "tools": tools, "extra_body": {"temperature": 0}}
+    called = client.messages.create(**sent, messages=ask, tool_choice={"type": "tool", "name": "get_weather"})
+    [use] = [b for b in called.content if b.type == "tool_use"]
+    assert called.stop_reason == "tool_use" and use.name == "get_weather"
+    jsonschema.validate(use.input, TOOLS[0]["function"]["parameters"])
+    with client.messages.stream(**sent, messages=ask, tool_choice={"type": "tool", "name": "get_weather"}) as streamed:
+        assert [b.input for b in streamed.get_final_message().content if b.type == "tool_use"] == [use.input]
+    answered = client.messages.create(**sent, messages=ask + [
+        {"role": "assistant", "content": [use.model_dump(include={"type", "id", "name", "input"})]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                      "content": "It is sunny in Paris."}]}])
+    assert answered.stop_reason == "end_turn" and "sunny" in answered.content[0].text
+
+
 def test_a_worker_killed_mid_stream_of_constrained_answers_leaves_them_as_the_fault_free_run(stack32, real_model,
                                                                                                tokenizer):
     """Each constrained sequence's grammar is rebuilt on the worker it moves to by replaying its tokens."""

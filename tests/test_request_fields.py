@@ -56,6 +56,16 @@ VLLM = {
                   "continue_final_message", "return_token_strs", "chat_template", "chat_template_kwargs",
                   "response_format", "media_io_kwargs", "mm_processor_kwargs", "tools"],
     "/detokenize": ["model", "tokens"],
+    # vLLM's ResponsesRequest (entrypoints/openai/responses/protocol.py, its extra fields as its docs list them)
+    "/v1/responses": [
+        "background", "include", "input", "instructions", "max_output_tokens", "max_tool_calls", "metadata", "model",
+        "logit_bias", "parallel_tool_calls", "previous_response_id", "prompt", "reasoning", "service_tier", "store",
+        "stream", "temperature", "text", "tool_choice", "tools", "top_logprobs", "top_p", "top_k", "truncation", "user",
+        "skip_special_tokens", "include_stop_str_in_output", "prompt_cache_key", "request_id", "session_id",
+        "media_io_kwargs", "mm_processor_kwargs", "priority", "cache_salt", "enable_response_messages",
+        "previous_input_messages", "structured_outputs", "repetition_penalty", "seed", "stop", "ignore_eos",
+        "vllm_xargs", "kv_transfer_params", "ec_transfer_params", "chat_template_kwargs"],
+    "text": ["format", "verbosity"],  # the openai client's ResponseTextConfig, which vLLM takes as it is
 }
 
 
@@ -64,15 +74,57 @@ def openai_fields(route: str) -> set[str]:
     from openai.types import completion_create_params as completions
     from openai.types.chat import ChatCompletionStreamOptionsParam
     from openai.types.chat import completion_create_params as chat
+    from openai.types.responses import ResponseTextConfigParam
+    from openai.types.responses import response_create_params as responses
 
     params = {"/v1/completions": completions.CompletionCreateParamsBase,
               "/v1/chat/completions": chat.CompletionCreateParamsBase,
-              "stream_options": ChatCompletionStreamOptionsParam}.get(route)
+              "stream_options": ChatCompletionStreamOptionsParam,
+              "/v1/responses": responses.ResponseCreateParamsBase, "text": ResponseTextConfigParam}.get(route)
     return set(typing.get_type_hints(params)) | ({"stream"} if route.startswith("/v1/") else set()) \
         if params is not None else set()
 
 
-@pytest.mark.parametrize("route", list(fields.ROUTES))
+def anthropic_types(table: str) -> tuple[list[type], list[type]]:
+    """The official anthropic client's parameter types of a Messages table: the API's, and its betas'."""
+    import anthropic.types as ga
+    import anthropic.types.beta as beta
+    from anthropic.types import message_count_tokens_params as count, message_create_params as create
+    from anthropic.types.beta import message_count_tokens_params as beta_count, message_create_params as beta_create
+
+    names = {"message": ["UserMessageParam", "AssistantMessageParam", "SystemMessageParam"],
+             "text block": ["TextBlockParam"], "tool_use block": ["ToolUseBlockParam"],
+             "tool_result block": ["ToolResultBlockParam"], "tool": ["ToolParam"],
+             "tool_choice": ["ToolChoiceAutoParam", "ToolChoiceAnyParam", "ToolChoiceToolParam", "ToolChoiceNoneParam"],
+             "metadata": ["MetadataParam"], "output_config": ["OutputConfigParam"],
+             "output_config.format": ["JSONOutputFormatParam"]}
+    if table == "/v1/messages":
+        return [create.MessageCreateParamsStreaming], [beta_create.MessageCreateParamsStreaming]
+    if table == "/v1/messages/count_tokens":
+        return [count.MessageCountTokensParams], [beta_count.MessageCountTokensParams]
+    kinds = names[table.removeprefix("/v1/messages: ")]
+    return [getattr(ga, k) for k in kinds], [getattr(beta, "Beta" + k) for k in kinds]
+
+
+ANTHROPIC_TABLES = [t for t in fields.ROUTES if t.startswith("/v1/messages")]
+ANTHROPIC_HEADERS = {"betas", "user_profile_id", "workspace_id"}  # the client sends these as headers
+# The Messages API's sampling fields, which the client's types no longer name since 2.x but the API takes.
+ANTHROPIC_SAMPLING = {"temperature", "top_p", "top_k"}
+
+
+@pytest.mark.parametrize("table", ANTHROPIC_TABLES)
+def test_a_messages_table_names_every_field_the_anthropic_client_defines(table):
+    ga, beta = (set().union(*(typing.get_type_hints(t) for t in types)) - ANTHROPIC_HEADERS
+                for types in anthropic_types(table))
+    ga |= ANTHROPIC_SAMPLING if table == "/v1/messages" else set()
+    defined = fields.ROUTES[table]
+    assert not (ga | beta) - set(defined), f"{table}: fields in neither list: {sorted((ga | beta) - set(defined))}"
+    for f in defined.values():
+        assert f.defined_by == (fields.ANTHROPIC if f.name in ga else fields.ANTHROPIC_BETA), f
+        assert f.name in ga | beta, f"{table}: {f.name} is no field of Anthropic's"
+
+
+@pytest.mark.parametrize("route", [r for r in fields.ROUTES if r not in ANTHROPIC_TABLES])
 def test_the_table_names_every_field_openai_and_vllm_define_for_each_route(route):
     table = fields.ROUTES[route]
     missing = (openai_fields(route) | set(VLLM[route])) - set(table)

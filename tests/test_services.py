@@ -263,20 +263,35 @@ def test_a_scheduler_restarted_after_redis_lost_its_data_is_obeyed(redis_url, st
 
 
 def test_the_requests_of_a_gateway_that_is_gone_are_aborted_and_nothing_follows_their_end(redis_url, stack_factory):
-    """A gateway's heartbeat key stands for its clients: once it expires, its requests end (their blocks freed),
-    those of other gateways go on; no token is written after a request's end, nor is its expiry extended."""
-    stack, client = stack_factory(redis_url, workers=("w0",))
+    """A gateway's heartbeat key stands for its clients: once it expires (and the reconnect grace period is over),
+    its requests end (their blocks freed), but for one whose stream a live gateway took up (its reader key); those
+    of other gateways go on; no token is written after a request's end, nor is its expiry extended."""
+    stack, client = stack_factory(redis_url, workers=("w0",), reconnect_grace=2.0)
     keys, r = Keys(), client.redis
     r.set(keys.gateway_alive("gw-gone"), 1, px=60_000)
+    r.set(keys.gateway_alive("gw-live"), 1, px=60_000)
     long = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
-    orphans = [client.submit(p, long, gateway_id="gw-gone") for p in prompts(4, seed=9)]
+    *orphans, taken_up = [client.submit(p, long, gateway_id="gw-gone") for p in prompts(5, seed=9)]
+    r.set(keys.reader(taken_up), "gw-live:a-connection")
     kept = client.submit(prompts(1, seed=10)[0], GREEDY, gateway_id="")
     client.wait_for(lambda: (client.poll(), client.generated_count(orphans) >= 40)[1], "tokens to stream")
     r.delete(keys.gateway_alive("gw-gone"))
+    time.sleep(0.5)
+    client.poll()
+    assert not any(client.folds[rid].ended for rid in orphans), "none aborted within the grace period"
     client.wait(orphans + [kept], timeout=60, stack=stack)
     assert all(client.folds[rid].end.finish_reason == "abort" for rid in orphans)
     assert len(client.output(kept)) == GREEDY.max_tokens
     assert max(client.generated_count([rid]) for rid in orphans) < 1500
+    most = max(client.generated_count([rid]) for rid in orphans)
+    client.wait_for(lambda: (client.poll(), client.generated_count([taken_up]) > most + 16)[1],
+                    "the request a live gateway took up to run on")
+    assert client.folds[taken_up].end is None
+    r.delete(keys.gateway_alive("gw-live"))
+    client.wait([taken_up], timeout=60, stack=stack)
+    fold = client.folds[taken_up]
+    assert fold.finish_reasons == ["length"] or fold.end.finish_reason == "abort", "until that gateway is gone too"
+    orphans.append(taken_up)
     stats = client.settled_stats()
     assert all(w.running == 0 and w.free_blocks == w.num_blocks for w in stats.workers), "their blocks are free"
     time.sleep(1.0)  # a step in flight at the abort would have written by now

@@ -37,7 +37,7 @@ TOOL_TEMPLATE = (
 
 
 def stream_in_pieces(fmt, text: str, size: int) -> tuple[str, dict[int, list[str]]]:
-    parser = CallParser(fmt)
+    parser = CallParser(fmt, "an-answer")
     pieces = [parser.feed(text[i:i + size], end=i + size >= len(text)) for i in range(0, len(text), size)]
     calls: dict[int, list[str]] = {}
     for piece in pieces:
@@ -51,7 +51,7 @@ def stream_in_pieces(fmt, text: str, size: int) -> tuple[str, dict[int, list[str
 
 @pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
 def test_hermes_calls_read_the_same_streamed_in_any_pieces_as_whole(size):
-    content, calls = tools.parse(HERMES, HERMES_ANSWER)
+    content, calls = tools.parse(HERMES, HERMES_ANSWER, "an-answer")
     assert content == "Let me look.\n"
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", {"city": 'Pa"ris {x}', "days": 2}), ("get_time", {"tz": "UTC"})]
@@ -63,28 +63,30 @@ def test_hermes_calls_read_the_same_streamed_in_any_pieces_as_whole(size):
                                   'Hi <tool_call>\n{"na', ' {"name": "get_time", "parameters": {"tz'])
 def test_a_call_cut_short_is_answer_text_whole_and_streamed(text):
     fmt = LLAMA3_JSON if text.startswith(" ") else HERMES
-    content, calls = tools.parse(fmt, text)
+    content, calls = tools.parse(fmt, text, "an-answer")
     assert (content.strip(), calls) == (text.strip(), [])  # (llama3_json's leading whitespace aside)
     assert stream_in_pieces(fmt, text, 1)[0].endswith(text.strip()[-8:])
 
 
 def test_text_that_only_looked_like_a_call_is_answer_text():
-    assert tools.parse(HERMES, "a < b and <tool") == ("a < b and <tool", [])
+    assert tools.parse(HERMES, "a < b and <tool", "an-answer") == ("a < b and <tool", [])
     assert stream_in_pieces(HERMES, "a < b and <tool", 1) == ("a < b and <tool", {})
-    assert tools.parse(HERMES, "<tool_call>not json</tool_call> ok") == ("<tool_call>not json</tool_call> ok", [])
+    not_json = "<tool_call>not json</tool_call> ok"
+    assert tools.parse(HERMES, not_json, "an-answer") == (not_json, [])
     # keys in another order than the grammar's: read whole at the closing tag
-    [call] = tools.parse(HERMES, '<tool_call>{"arguments": {"tz": "X"}, "name": "get_time"}</tool_call>')[1]
+    reordered = '<tool_call>{"arguments": {"tz": "X"}, "name": "get_time"}</tool_call>'
+    [call] = tools.parse(HERMES, reordered, "an-answer")[1]
     assert (call.name, json.loads(call.arguments)) == ("get_time", {"tz": "X"})
 
 
 @pytest.mark.parametrize("size", [1, 5, 1000])
 def test_llama3_json_calls_are_the_whole_answer_separated_by_semicolons(size):
     text = ' {"name": "get_time", "parameters": {"tz": "UTC"}}; {"name": "get_weather", "parameters": {"city": "Rome"}}'
-    content, calls = tools.parse(LLAMA3_JSON, text)
+    content, calls = tools.parse(LLAMA3_JSON, text, "an-answer")
     assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_time", {"tz": "UTC"}), ("get_weather", {"city": "Rome"})]
     assert stream_in_pieces(LLAMA3_JSON, text, size)[1] == {i: [c.name, c.arguments] for i, c in enumerate(calls)}
-    assert tools.parse(LLAMA3_JSON, "It is {warm} today.") == ("It is {warm} today.", [])
+    assert tools.parse(LLAMA3_JSON, "It is {warm} today.", "an-answer") == ("It is {warm} today.", [])
 
 
 def test_the_call_format_follows_the_setting_else_the_chat_template():

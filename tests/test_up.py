@@ -183,8 +183,7 @@ def test_each_child_killed_mid_stream_is_restarted_and_no_stream_loses_or_repeat
 
 
 def test_a_worker_that_exits_cleanly_is_restarted_as_compose_does(up):
-    old = up.pids()["worker-0"]
-    os.kill(old, signal.SIGTERM)
+    old = up.kill("worker-0", signal.SIGTERM)
     settle(up, LOAD, "worker-0", old)
     assert "worker-0 exited (exit code 0); restarting it" in up.log()
     response = openai.OpenAI(base_url=up.url + "/v1", api_key=KEY, max_retries=0).completions.create(

@@ -1,11 +1,10 @@
 """`pagedserve up` for tests: run to its end (`run_up`, for the cases where it stops by itself), or running
-(`UpProcess`, shared with the soak); and the fault phases that SIGKILL one of its children while streams run."""
+(`UpProcess`, shared with the soak: `gateways()` gives each gateway's URL by child name, `kill(name)` SIGKILLs a
+child); free ports for its gateways; and the fault phases that SIGKILL one of its children while streams run."""
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import subprocess
 import time
 import urllib.error
@@ -13,15 +12,26 @@ import urllib.request
 from dataclasses import dataclass, field
 
 import openai
+from redis_harness import free_port
 
 from benchmarks.up_process import UP, UpProcess, up_env
+from pagedserve.launcher import port_in_use
 
-__all__ = ["FaultLoad", "Phase", "Streamed", "UpProcess", "health", "run_phase", "run_up", "settle"]
+__all__ = ["FaultLoad", "Phase", "Streamed", "UpProcess", "free_gateway_port", "health", "run_phase", "run_up",
+           "settle"]
 
 
 def run_up(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`pagedserve up ARGS` to its end, with `env` over up_env()."""
     return subprocess.run([*UP, *args], capture_output=True, text=True, timeout=300, env=up_env() | (env or {}))
+
+
+def free_gateway_port(gateways: int) -> int:
+    """A `--port` for `--gateways N`: the first of N consecutive ports that are free on 127.0.0.1 now."""
+    while True:
+        port = free_port()
+        if port + gateways <= 65536 and all(port_in_use("127.0.0.1", port + i) is None for i in range(1, gateways)):
+            return port
 
 
 def health(url: str) -> tuple[int | None, dict]:
@@ -109,7 +119,7 @@ async def run_phase(up: UpProcess, load: FaultLoad, phase: Phase) -> None:
                 await asyncio.sleep(0.02)
         await asyncio.wait_for(begun(), 120)
         assert not any(t.done() for t in tasks), f"the fault must land mid-stream: {phase.streams}"
-        os.kill(up.pids()[phase.fault], signal.SIGKILL)
+        up.kill(phase.fault)
         killed = time.monotonic()
         await asyncio.wait_for(_first_served(client, load), 60)
         phase.recovery_s = time.monotonic() - killed
