@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         parser = argparse.ArgumentParser(prog="python -m benchmarks.contiguous up")
         launcher.add_arguments(parser)
         args = parser.parse_args(argv[1:])
-        raise SystemExit(launcher.up(launcher.settings_for_up(args), launcher.Shape.from_args(args),
+        raise SystemExit(launcher.up(launcher.settings_for_up(args), launcher.Topology.from_args(args),
                                      scheduler_module="benchmarks.contiguous"))
     service.main(argv, scheduler_class)
 

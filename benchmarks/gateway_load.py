@@ -162,7 +162,8 @@ async def stream_cost(url: str, pid: int, tokens: int, streams: int) -> dict[str
     async def one(session: aiohttp.ClientSession) -> int:
         body = {"prompt": [3], "max_tokens": tokens, "stream": True}  # prompt token 3: answered with `tokens`
         async with session.post(url + "/v1/completions", json=body) as resp:
-            return sum(1 for line in (await resp.read()).split(b"\n\n") if line.startswith(b"data: {"))
+            # an event's data line, after its `id:` line where the gateway numbers its events
+            return sum(1 for event in (await resp.read()).split(b"\n\n") if b"data: {" in event)
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         cpu, start = cpu_seconds(pid), time.perf_counter()

@@ -58,6 +58,15 @@ class Resumable:
     ttl: float
 
 
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """A stored response's record, kept `ttl` seconds, in a store of at most `bound` responses."""
+    response_id: str
+    record: ResponseRecord
+    ttl: float
+    bound: int
+
+
 class Bus:
     """The gateway's bus. One task reads every followed token stream with one blocking XREAD (one Redis
     connection however many requests stream) and routes each entry to its request's queue; a submission
@@ -98,7 +107,8 @@ class Bus:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         try:
-            await self.client.delete(self.wake_key, self.alive_key)  # the scheduler aborts what is left at once
+            # the scheduler aborts what is left once the reconnect grace period is over
+            await self.client.delete(self.wake_key, self.alive_key)
         except RECONNECT_ERRORS:
             pass
         await self.client.aclose()
@@ -114,10 +124,12 @@ class Bus:
 
     def reader_token(self) -> str:
         """A token for one client connection of this gateway, for the reader keys of the requests it streams."""
-        return f"{self.instance}:{uuid.uuid4().hex}"
+        return self.keys.reader_token(self.instance, uuid.uuid4().hex)
 
-    async def submit(self, requests: list[Request], resumable: Resumable | None = None) -> None:
-        """Queue a call's requests (all of its prompts or none); a resumable one with its record and readers."""
+    async def submit(self, requests: list[Request], resumable: Resumable | None = None,
+                     stored: Stored | None = None) -> None:
+        """Queue a call's requests (all of its prompts or none), with what makes its stream resumable and a stored
+        response's record: a record never names requests that were not queued."""
         async with self.client.pipeline(transaction=True) as pipe:
             for req in requests:
                 pipe.xadd(self.keys.requests, {FIELD: encode(req)})
@@ -129,9 +141,16 @@ class Bus:
                     pipe.pexpire(key, ttl_ms)
                 for req in requests:
                     pipe.set(self.keys.reader(req.rid), resumable.reader, px=ttl_ms)
+            if stored is not None:
+                key = self.keys.response(stored.response_id)
+                pipe.hset(key, mapping=stored.record.mapping())
+                pipe.pexpire(key, int(stored.ttl * 1000))
+                pipe.zadd(self.keys.responses, {stored.response_id: time.time()})  # finer than created's seconds
             pipe.xadd(self.wake_key, {FIELD: b""}, maxlen=WAKE_MAXLEN, approximate=True)
             pipe.pexpire(self.wake_key, WAKE_TTL_MS)
             await pipe.execute()
+        if stored is not None:
+            await self._bound_store(stored)
 
     async def load_call(self, call_id: str) -> CallRecord | None:
         raw = await self.client.hgetall(self.keys.call(call_id))
@@ -141,21 +160,26 @@ class Bus:
             log.warning("ignoring the malformed record of call %s: %s", call_id, e)
             return None
 
-    async def store_response(self, response_id: str, record: ResponseRecord, ttl: float, bound: int) -> None:
-        """Keep a response's record `ttl` seconds; past `bound` stored responses, the oldest go with their streams."""
-        async with self.client.pipeline(transaction=True) as pipe:
-            pipe.hset(self.keys.response(response_id), mapping=record.mapping())
-            pipe.pexpire(self.keys.response(response_id), int(ttl * 1000))
-            now = time.time()  # the order stored in, finer than the responses' own seconds
-            pipe.zadd(self.keys.responses, {response_id: now})
-            pipe.zremrangebyscore(self.keys.responses, "-inf", f"({now - ttl}")  # expired on their own
+    async def _bound_store(self, stored: Stored) -> None:
+        """Past the bound, the oldest stored responses go, with their streams (a running one aborted)."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.zremrangebyscore(self.keys.responses, "-inf", f"({time.time() - stored.ttl}")  # expired already
             pipe.zcard(self.keys.responses)
-            stored = (await pipe.execute())[-1]
-        if stored > bound:
-            evicted = [i.decode() for i, _ in await self.client.zpopmin(self.keys.responses, stored - bound)]
-            await self.client.delete(*[k for i in evicted
-                                       for k in (self.keys.response(i), self.keys.out(request_id(i)))])
-            log.info("the response store is full (%d); deleted the %d oldest", bound, len(evicted))
+            count = (await pipe.execute())[-1]
+        if count <= stored.bound:
+            return
+        evicted = [i.decode() for i, _ in await self.client.zpopmin(self.keys.responses, count - stored.bound)]
+        async with self.client.pipeline(transaction=False) as pipe:
+            for response_id in evicted:
+                self._forget(pipe, response_id, "evicted")
+            await pipe.execute()
+        log.info("the response store is full (%d); deleted the %d oldest", stored.bound, len(evicted))
+
+    def _forget(self, pipe, response_id: str, reason: str) -> None:
+        rid = request_id(response_id)
+        pipe.delete(self.keys.response(response_id), self.keys.out(rid), self.keys.reader(rid))
+        pipe.zrem(self.keys.responses, response_id)
+        pipe.xadd(self.keys.control, {FIELD: encode(Abort(rid, reason))}, maxlen=CONTROL_MAXLEN, approximate=True)
 
     async def load_response(self, response_id: str) -> ResponseRecord | None:
         raw = await self.client.hgetall(self.keys.response(response_id))
@@ -165,24 +189,11 @@ class Bus:
             log.warning("ignoring the malformed record of response %s: %s", response_id, e)
             return None
 
-    async def cancel_response(self, response_id: str) -> None:
-        rid = request_id(response_id)
+    async def delete_response(self, response_id: str) -> None:
+        """Forget a response (aborting its request, if it still runs)."""
         async with self.client.pipeline(transaction=True) as pipe:
-            pipe.hset(self.keys.response(response_id), "cancelled", 1)
-            pipe.xadd(self.keys.control, {FIELD: encode(Abort(rid, "cancelled"))}, maxlen=CONTROL_MAXLEN,
-                      approximate=True)
+            self._forget(pipe, response_id, "deleted")
             await pipe.execute()
-
-    async def delete_response(self, response_id: str) -> bool:
-        """Forget a response (aborting its request, if it still runs); False if there was none."""
-        rid = request_id(response_id)
-        async with self.client.pipeline(transaction=True) as pipe:
-            pipe.delete(self.keys.response(response_id))
-            pipe.zrem(self.keys.responses, response_id)
-            pipe.xadd(self.keys.control, {FIELD: encode(Abort(rid, "deleted"))}, maxlen=CONTROL_MAXLEN,
-                      approximate=True)
-            pipe.delete(self.keys.out(rid), self.keys.reader(rid))
-            return bool((await pipe.execute())[0])
 
     async def read_out(self, rid: str) -> list[TokenOutput | Assignment]:
         """A request's `out:` stream as it is now."""

@@ -1,6 +1,6 @@
 """Anthropic's Messages API: `POST /v1/messages` is a chat call (gateway/messages_api.py translates it) whose answer
-MessagesShape writes; `POST /v1/messages/count_tokens` counts its prompt. Errors leave in Anthropic's shape (see
-ERROR_BODIES in gateway/app.py)."""
+MessagesShape writes; `POST /v1/messages/count_tokens` counts its prompt. Errors leave in Anthropic's shape (the
+app's error middleware writes them so on these routes)."""
 from __future__ import annotations
 
 import dataclasses

@@ -36,20 +36,19 @@ class CallRecord:
 @dataclass(frozen=True, slots=True)
 class ResponseRecord:
     """A stored response of the Responses API: its request's body, the conversation it continues (the items of its
-    previous responses, as JSON), whose it is, when it came, and whether it runs in the background or was cancelled.
+    previous responses, as JSON), whose it is, when it came, and whether it runs in the background.
     Its answer is never stored: it is read from its request's `out:` stream, kept as long as the record."""
     body: bytes
     earlier: bytes
     owner: str
     created: int
     background: bool
-    cancelled: bool = False
 
     def mapping(self) -> dict[str, bytes | str | int]:
         return {"body": self.body, "earlier": self.earlier, "owner": self.owner, "created": self.created,
-                "background": int(self.background), "cancelled": int(self.cancelled)}
+                "background": int(self.background)}
 
     @classmethod
     def from_mapping(cls, raw: dict[bytes, bytes]) -> ResponseRecord:
         return cls(raw[b"body"], raw[b"earlier"], raw[b"owner"].decode(), int(raw[b"created"]),
-                   raw[b"background"] == b"1", raw.get(b"cancelled") == b"1")
+                   raw[b"background"] == b"1")

@@ -425,8 +425,8 @@ def _message_status(status: str, calls: bool) -> str:
 
 
 def status_of(answer: Answer) -> str:
-    """The Response's status for the bus's finish reason: `abort` is a cancel's (the route aborts for nothing else
-    it stores as the response)."""
+    """The Response's status for the bus's finish reason: an abort (a cancel, or a client gone past its grace period)
+    is `cancelled`."""
     return {None: "in_progress", "length": "incomplete", "abort": "cancelled"}.get(answer.finish_reason, "completed")
 
 

@@ -9,6 +9,7 @@ replays the same events.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -25,9 +26,11 @@ from gateway.model import ServedModel
 from gateway.records import ResponseRecord
 from gateway.responses_api import ResponseShape, ResponsesRequest
 from gateway.resume import LAST_EVENT_ID, Position
+from gateway.bus import Stored
 from gateway.serving import BUS_ERRORS, Generation, Origin, bus_unavailable
 
 ID_PREFIX = "resp_"
+NUMBER = re.compile(r"[0-9]{1,9}")
 LIST_LIMIT = 20  # input items listed per page unless `limit` says otherwise (OpenAI's default)
 
 
@@ -69,7 +72,7 @@ async def _record(request: web.Request, response_id: str, param: str | None = No
 
 
 @dataclass(frozen=True, slots=True)
-class Stored:
+class Rebuilt:
     """A stored response rebuilt: its request, its generation (which follows its request's stream), its shape."""
     record: ResponseRecord
     req: ResponsesRequest
@@ -78,45 +81,45 @@ class Stored:
 
 
 async def _rebuild(request: web.Request, response_id: str, record: ResponseRecord,
-                   resume: Position | None = None) -> Stored:
+                   resume: Position | None = None) -> Rebuilt:
     gw = request.app[GATEWAY]
     earlier = json.loads(record.earlier)
     planned = await _run(request, record.body, lambda body, model: plan(body, model, earlier))
-    origin = Origin(call_id=response_id, resume=resume, background=True)  # a replay never aborts its request
+    origin = Origin(call_id=response_id, resume=resume, background=record.background)
     call = planned.call
     generation = Generation(gw, call, ChatFormat(gw.model.tokenizer, call), record.created, request_id(request),
                             origin)
-    return Stored(record, planned.req, generation, ResponseShape(planned.req, response_id, record.created, call.model))
+    return Rebuilt(record, planned.req, generation, ResponseShape(planned.req, response_id, record.created, call.model))
 
 
-async def _progress(request: web.Request, stored: Stored) -> shaped.Progress:
+async def _progress(request: web.Request, rebuilt: Rebuilt) -> shaped.Progress:
     try:
-        entries = await request.app[GATEWAY].bus.read_out(records.request_id(stored.generation.id))
+        entries = await request.app[GATEWAY].bus.read_out(records.request_id(rebuilt.generation.id))
     except BUS_ERRORS as e:
         raise bus_unavailable(e) from None
-    return shaped.snapshot(stored.generation, entries)
+    return shaped.snapshot(rebuilt.generation, entries)
 
 
-def _body(stored: Stored, progress: shaped.Progress) -> dict[str, Any]:
+def _body(rebuilt: Rebuilt, progress: shaped.Progress) -> dict[str, Any]:
     """The stored response as it stands now."""
     if progress.error is not None:
-        return stored.shape.body("failed", progress.answer, {"code": "server_error", "message": progress.error})
+        error = responses_api.error_body(ApiError(500, progress.error, type="server_error"))
+        return rebuilt.shape.body("failed", progress.answer, error)
     if progress.ended:
-        status = responses_api.status_of(progress.answer)
-        return stored.shape.body("cancelled" if stored.record.cancelled and status == "cancelled" else status,
-                                 progress.answer)
-    return stored.shape.body("in_progress" if progress.started else "queued",
+        return rebuilt.shape.body(responses_api.status_of(progress.answer), progress.answer)
+    return rebuilt.shape.body("in_progress" if progress.started else "queued",
                              progress.answer if progress.started else None)
 
 
 async def _conversation(request: web.Request, previous_id: str) -> list[dict[str, Any]]:
     """The conversation a request continues: the previous response's own, then its input and output items."""
     record = await _record(request, previous_id, "previous_response_id")
-    stored = await _rebuild(request, previous_id, record)
-    progress = await _progress(request, stored)
-    if not progress.ended:
-        raise bad_request(f"the previous response {previous_id} has not finished yet", param="previous_response_id")
-    return json.loads(record.earlier) + responses_api.conversation_items(stored.req, previous_id, progress.answer)
+    rebuilt = await _rebuild(request, previous_id, record)
+    progress = await _progress(request, rebuilt)
+    if not progress.ended or progress.error is not None:
+        how = "failed" if progress.error is not None else "has not finished yet"
+        raise bad_request(f"the previous response {previous_id} {how}", param="previous_response_id")
+    return json.loads(record.earlier) + responses_api.conversation_items(rebuilt.req, previous_id, progress.answer)
 
 
 async def create(request: web.Request) -> web.StreamResponse:
@@ -132,15 +135,12 @@ async def create(request: web.Request) -> web.StreamResponse:
     call = planned.call
     await gw.admit(call)
     response_id = ID_PREFIX + uuid.uuid4().hex
-    if req.store:
-        record = ResponseRecord(raw, json.dumps(earlier).encode(), owner_of(request), int(received), req.background)
-        try:
-            await gw.bus.store_response(response_id, record, gw.settings.response_ttl, gw.settings.max_stored_responses)
-        except BUS_ERRORS as e:
-            gw.admission.release(len(call.prompts))
-            raise bus_unavailable(e) from None
-    origin = Origin(call_id=response_id, background=req.background,
-                    retention=gw.settings.response_ttl if req.store else 0.0)
+    settings = gw.settings
+    stored = Stored(response_id, ResponseRecord(raw, json.dumps(earlier).encode(), owner_of(request), int(received),
+                                                req.background),
+                    settings.response_ttl, settings.max_stored_responses) if req.store else None
+    origin = Origin(call_id=response_id, background=req.background, stored=stored, resumable=req.store,
+                    retention=settings.response_ttl if req.store else 0.0)
     generation = Generation(gw, call, ChatFormat(gw.model.tokenizer, call), received, request_id(request), origin)
     shape = ResponseShape(req, response_id, int(received), call.model)
     if req.background and not req.stream:
@@ -153,8 +153,8 @@ async def create(request: web.Request) -> web.StreamResponse:
 
 async def _replay(request: web.Request, response_id: str, after: Position | None) -> web.StreamResponse:
     record = await _record(request, response_id)
-    stored = await _rebuild(request, response_id, record, after or Position(response_id, (0,)))
-    return await shaped.stream(stored.generation, stored.shape, request)
+    rebuilt = await _rebuild(request, response_id, record, after or Position(response_id, (0,)))
+    return await shaped.stream(rebuilt.generation, rebuilt.shape, request)
 
 
 def _starting_after(request: web.Request, response_id: str) -> Position | None:
@@ -168,7 +168,7 @@ def _starting_after(request: web.Request, response_id: str) -> Position | None:
     given = request.query.get("starting_after")
     if given is None:
         return None
-    if not given.isdigit():
+    if not NUMBER.fullmatch(given):
         raise bad_request(f"`starting_after` must be a sequence number; got {given!r}", param="starting_after")
     return Position(response_id, (int(given) + 1,))  # sequence numbers count from 0
 
@@ -184,8 +184,8 @@ async def retrieve(request: web.Request) -> web.StreamResponse:
     response_id = request.match_info["response_id"]
     if _flag(request, "stream"):
         return await _replay(request, response_id, _starting_after(request, response_id))
-    stored = await _rebuild(request, response_id, await _record(request, response_id))
-    return web.json_response(_body(stored, await _progress(request, stored)))
+    rebuilt = await _rebuild(request, response_id, await _record(request, response_id))
+    return web.json_response(_body(rebuilt, await _progress(request, rebuilt)))
 
 
 async def delete(request: web.Request) -> web.Response:
@@ -206,15 +206,15 @@ async def cancel(request: web.Request) -> web.Response:
     record = await _record(request, response_id)
     if not record.background:
         raise bad_request("Only responses created with background=true can be cancelled", param="response_id")
-    stored = await _rebuild(request, response_id, record)
-    progress = await _progress(request, stored)
+    rebuilt = await _rebuild(request, response_id, record)
+    progress = await _progress(request, rebuilt)
     if progress.ended:
-        return web.json_response(_body(stored, progress))
+        return web.json_response(_body(rebuilt, progress))
     try:
-        await gw.bus.cancel_response(response_id)
+        await gw.bus.abort([records.request_id(response_id)], "cancelled")
     except BUS_ERRORS as e:
         raise bus_unavailable(e) from None
-    return web.json_response(stored.shape.body("cancelled", progress.answer))
+    return web.json_response(rebuilt.shape.body("cancelled", progress.answer))
 
 
 async def input_items(request: web.Request) -> web.Response:
@@ -230,7 +230,7 @@ async def input_items(request: web.Request) -> web.Response:
     if order == "desc":
         listed.reverse()
     limit = request.query.get("limit", str(LIST_LIMIT))
-    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+    if not NUMBER.fullmatch(limit) or not 1 <= int(limit) <= 100:
         raise bad_request(f"`limit` must be from 1 to 100; got {limit!r}", param="limit")
     if (after := request.query.get("after")) is not None:
         ids = [item["id"] for item in listed]

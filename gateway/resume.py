@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from gateway.errors import ApiError
 
-EVENT_ID = re.compile(r"([A-Za-z0-9_-]{1,100}):(\d{1,9}(?:\.\d{1,9}){0,128})")
+EVENT_ID = re.compile(r"([A-Za-z0-9_-]{1,100}):(\d{1,9}(?:\.\d{1,9}){0,1024})")
 LAST_EVENT_ID = "Last-Event-ID"
 
 
@@ -40,7 +40,7 @@ class Numbering:
     """Gives each event of a stream its id, lane by lane, and holds back those a resumed client already has."""
 
     def __init__(self, call_id: str, lanes: int, after: Position | None = None) -> None:
-        self.call_id = call_id
+        self.prefix = f"id: {call_id}:".encode()
         self.counts = [0] * lanes
         if after is not None and len(after.counts) != lanes:
             raise ApiError(400, f"`{LAST_EVENT_ID}` counts {len(after.counts)} lanes of events; this call's stream has "
@@ -52,4 +52,4 @@ class Numbering:
         self.counts[lane] += 1
         if self.counts[lane] <= self.after[lane]:
             return None
-        return b"id: " + f"{self.call_id}:{'.'.join(map(str, self.counts))}".encode() + b"\n" + event
+        return self.prefix + ".".join(map(str, self.counts)).encode() + b"\n" + event

@@ -17,7 +17,7 @@ from redis.exceptions import RedisError
 
 from gateway import records, sse, tools
 from gateway.admission import Admission
-from gateway.bus import Bus, Resumable
+from gateway.bus import Bus, Resumable, Stored
 from gateway.errors import ApiError
 from gateway.calls import GenerateCall
 from gateway.formats import Format, prompt_records, usage, vllm_prompt_logprobs
@@ -94,12 +94,16 @@ class Gateway:
         except BUS_ERRORS as e:
             log.warning("could not abort %s (%s): %s", rids, reason, e)
 
-    async def release(self, rids: list[str], reader: str, log: logging.Logger | logging.LoggerAdapter) -> None:
+    async def release(self, call_id: str, rids: list[str], reader: str,
+                      log: logging.Logger | logging.LoggerAdapter) -> None:
         """After the reconnect grace period, abort the requests of a stream whose client went, unless a client
-        took the stream up again meanwhile (at any gateway). A gateway stopping leaves this to the scheduler."""
+        took the stream up again meanwhile (at any gateway); the call's record then goes with its streams. A
+        gateway stopping leaves this to the scheduler."""
         await asyncio.sleep(self.settings.reconnect_grace)
         try:
             aborted = await self.bus.release(rids, reader, "client gone")
+            if aborted == len(rids):
+                await self.bus.end_call(call_id, self.settings.out_stream_ttl)
         except BUS_ERRORS as e:
             log.warning("could not abort %s (client gone): %s", rids, e)
             return
@@ -112,13 +116,15 @@ class Gateway:
 class Origin:
     """Where a call's requests come from, and what becomes of them when its client goes: a new call (`record` kept
     while it streams, so that any gateway can pick the stream up), or a stream picked up again after `resume` (its
-    requests run already: nothing is submitted). A background call's requests run to their end whoever watches, and
-    keep their streams `retention` seconds; a stored response's stream replayed is one too (it never aborts)."""
+    requests run already: nothing is submitted; one that takes the stream up from its reader governs it from then
+    on). A background call's requests run to their end whoever watches, and keep their streams `retention` seconds."""
     record: CallRecord | None = None
     call_id: str | None = None  # the call's id where it has one already (resumed, or a stored response's)
     resume: Position | None = None
     background: bool = False
     retention: float = 0.0
+    stored: Stored | None = None  # a stored response's record, written with its requests
+    resumable: bool = True  # its stream can be picked up again (a response that is not stored cannot)
 
 
 class Generation:
@@ -136,6 +142,7 @@ class Generation:
         self.id = origin.call_id or f"{fmt.id_prefix}-{uuid.uuid4().hex}"
         self.created = origin.record.created if origin.record is not None else int(received)
         self.reader = gw.bus.reader_token()  # this connection's, in its requests' reader keys
+        self.took_up = False  # a resumed stream: this connection streams its requests now (it holds their readers)
         self.text_chunks: dict[int, sse.TextEvent | None] = {}  # per choice, see _token_chunk
         self.generated: dict[int, int] = {}  # per choice streamed, its tokens so far
         self.call_parsers: dict[int, tools.CallParser] = {}  # per choice streamed, where the call offered tools
@@ -173,10 +180,12 @@ class Generation:
                 gw.bus.follow(tracker.rid, self.queue, i)
             try:
                 if new:
-                    await gw.bus.submit(self._requests(arrival), self._resumable())
-                elif not await gw.bus.take_up([t.rid for t in self.trackers], self.reader) and not origin.background:
-                    raise ApiError(404, f"the stream of {self.id} has expired (streams are kept "
-                                   f"{gw.settings.out_stream_ttl:g} s after they end)", code="stream_expired")
+                    await gw.bus.submit(self._requests(arrival), self._resumable(), origin.stored)
+                else:
+                    self.took_up = await gw.bus.take_up([t.rid for t in self.trackers], self.reader)
+                    if not self.took_up and origin.record is not None:
+                        raise ApiError(404, f"the stream of {self.id} has expired (streams are kept "
+                                       f"{gw.settings.out_stream_ttl:g} s after they end)", code="stream_expired")
             except BUS_ERRORS as e:
                 raise bus_unavailable(e) from None
             submitted = True
@@ -199,8 +208,7 @@ class Generation:
                     if tracker.error is not None:
                         if batch:
                             yield batch  # the tokens before the error are streamed before it
-                        raise RequestFailed(tracker.error, sum(t.num_generated for t in self.trackers),
-                                            tracker.error_kind)
+                        raise RequestFailed(tracker.error, tracker.num_generated, tracker.error_kind)
                     batch += [(i * n + delta.sample_index, delta) for delta in deltas]
                     if tracker.finished:
                         running.discard(i)
@@ -217,10 +225,11 @@ class Generation:
     async def submit(self) -> None:
         """Queue the call's requests and let them go: a background call, which nobody here follows."""
         try:
-            await self.gw.bus.submit(self._requests(time.time()))
+            await self.gw.bus.submit(self._requests(time.time()), stored=self.origin.stored)
         except BUS_ERRORS as e:
             raise bus_unavailable(e) from None
-        self.gw.admission.release(len(self.trackers))  # nobody here waits for a first token to release them
+        finally:
+            self.gw.admission.release(len(self.trackers))  # nobody here waits for a first token to release them
         self.gw.metrics.prompt_tokens.inc(self.prompt_tokens)
 
     def _requests(self, arrival: float) -> list[Request]:
@@ -230,7 +239,7 @@ class Generation:
 
     def _resumable(self) -> Resumable | None:
         """What a new streamed call leaves in Redis for a client that reconnects, to this gateway or another."""
-        if not self.call.stream or self.origin.background:
+        if not self.call.stream or self.origin.background or not self.origin.resumable:
             return None
         return Resumable(self.id, self.origin.record, self.reader, self.gw.settings.response_ttl)
 
@@ -263,10 +272,11 @@ class Generation:
         gone = [t.rid for t in self.trackers if t.needs_abort and not t.finished]
         if stopped:
             gw.spawn(gw.abort(stopped, "stop string", self.log))
-        if gone and self.origin.background:
-            return
-        if gone and self.call.stream and gw.settings.reconnect_grace > 0:
-            gw.spawn(gw.release(gone, self.reader, self.log), gw.releases)
+        if gone and (self.origin.background or (self.origin.resume is not None and not self.took_up)):
+            return  # its requests are not this connection's to end
+        failed = any(t.error is not None for t in self.trackers)  # the call is over: no client comes back for it
+        if gone and self.call.stream and gw.settings.reconnect_grace > 0 and not failed:
+            gw.spawn(gw.release(self.id, gone, self.reader, self.log), gw.releases)
         elif gone:
             gw.spawn(gw.abort(gone, "client gone or call failed", self.log))
         elif self.call.stream and self.origin.record is not None:
@@ -428,7 +438,9 @@ class Generation:
             error = as_api_error(e, self.id, self.log)
             if response is None:
                 raise error from None
-            add(source.failure(error))  # headers are gone already: the error travels as a last event
+            # Headers are gone already: the error travels as a last event, with no id, as it is no event of the
+            # requests' streams (a client that picks the stream up again gets those after its last real one).
+            ready.extend(e.data for e in source.failure(error))
             with contextlib.suppress(ClientGone):
                 await send(response, ready)
         return response

@@ -149,10 +149,10 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def call_id(answer: str, index: int) -> str:
-    """The id of an answer's `index`th call: a function of the two, so that a stream replayed after a reconnect (or a
-    stored response read again) names its calls as it did."""
-    return "call_" + hashlib.sha256(f"{answer}/{index}".encode()).hexdigest()[:24]
+def call_id(choice: str, index: int) -> str:
+    """The id of the `index`th call of the choice named `choice` (its call's id and place): a function of the two,
+    so that a stream replayed after a reconnect (or a stored response read again) names its calls as it did."""
+    return "call_" + hashlib.sha256(f"{choice}/{index}".encode()).hexdigest()[:24]
 
 
 class CallParser:
@@ -162,9 +162,9 @@ class CallParser:
 
     TEXT, HEAD, ARGS, TAIL, PLAIN = range(5)
 
-    def __init__(self, fmt: CallFormat, answer: str) -> None:
+    def __init__(self, fmt: CallFormat, choice: str) -> None:
         self.fmt = fmt
-        self.answer = answer  # names the answer its calls' ids derive from
+        self.choice = choice  # names the choice its calls' ids derive from
         self.state = self.TEXT
         self.pending = ""  # text read but not yet given out
         self.opened: list[CallDelta] = []  # each call's first part: its index, id and name
@@ -263,7 +263,7 @@ class CallParser:
             self.complete += 1
 
     def _open(self, name: str, arguments: str) -> CallDelta:
-        opened = CallDelta(len(self.opened), call_id(self.answer, len(self.opened)), name, arguments)
+        opened = CallDelta(len(self.opened), call_id(self.choice, len(self.opened)), name, arguments)
         self.opened.append(opened)
         self.arguments.append(arguments)
         return opened
@@ -315,8 +315,8 @@ class CallParser:
         self.state = self.TEXT
 
 
-def parse(fmt: CallFormat, text: str, answer: str) -> tuple[str, list[ToolCall]]:
-    """A whole answer (named `answer`): its text (less its calls) and its calls."""
-    parser = CallParser(fmt, answer)
+def parse(fmt: CallFormat, text: str, choice: str) -> tuple[str, list[ToolCall]]:
+    """A whole answer (of the choice named `choice`): its text (less its calls) and its calls."""
+    parser = CallParser(fmt, choice)
     return parser.feed(text, end=True).content, parser.calls
 

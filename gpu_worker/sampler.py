@@ -80,8 +80,7 @@ def mask_stop_tokens(logits: torch.Tensor, seqs: list[SequenceState], eos_token_
     for row, seq in enumerate(seqs):
         params = seq.params
         if seq.num_output_tokens < params.min_tokens:
-            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-            ids = [t for t in stops if t < vocab]
+            ids = [t for t in params.stop_tokens(eos_token_ids) if t < vocab]
             if ids:
                 logits[row, ids] = float("-inf")
 

@@ -167,13 +167,12 @@ class Worker:
 
     def _run_params(self, params: SamplingParams) -> SamplingParams:
         """A beam's next-token candidates are the most likely tokens of the model's distribution (as in
-        transformers' beam search): K of them (see scheduler/beam_search.py), plus one per stop token, which the
+        transformers' beam search): K of them (SamplingParams.beam_candidates), plus one per stop token, which the
         scheduler drops while min_tokens forbids them."""
         if not params.beam_width:
             return params
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-        eos = 0 if params.ignore_eos else len(self.eos_token_ids)
-        return dataclasses.replace(params, temperature=0.0, logprobs=max(2, 1 + eos) * params.beam_width + len(stops))
+        candidates = params.beam_candidates(self.eos_token_ids) + len(params.stop_tokens(self.eos_token_ids))
+        return dataclasses.replace(params, temperature=0.0, logprobs=candidates)
 
     def _refusals(self, plan: StepPlan, failed: dict[int, str]) -> list[TokenOutput]:
         """One failure entry per request with a sequence the plan cannot run (the scheduler fails that request;

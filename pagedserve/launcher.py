@@ -61,18 +61,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class Shape:
+class Topology:
     """What `up` runs beside its settings, from its own flags: how many workers and gateways, and its Redis port."""
     workers: int = 1
     gateways: int = 1
     redis_port: int = 0  # 0: a free one
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Shape:
+    def from_args(cls, args: argparse.Namespace) -> Topology:
         return cls(workers=args.workers, gateways=args.gateways, redis_port=args.redis_port)
 
     def problem(self, port: int) -> str | None:
-        """Why this shape cannot run with the first gateway on `port` (said before exit 2), or None."""
+        """Why this topology cannot run with the first gateway on `port` (said before exit 2), or None."""
         if self.workers < 1:
             return f"--workers must be at least 1; got {self.workers}"
         if self.gateways < 1:
@@ -106,7 +106,7 @@ def main(args: argparse.Namespace) -> int:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("pagedserve: %(message)s"))
     logging.basicConfig(level=settings.log_level.upper(), handlers=[handler])
-    return up(settings, Shape.from_args(args))
+    return up(settings, Topology.from_args(args))
 
 
 def say(message: str) -> None:
@@ -393,18 +393,18 @@ def ensure_model(settings: Settings) -> Settings:
                             served_model_name=model_dir.served_name(settings.served_model_name))
 
 
-def up(settings: Settings, shape: Shape = Shape(), policy: RestartPolicy = RestartPolicy(),
+def up(settings: Settings, topology: Topology = Topology(), policy: RestartPolicy = RestartPolicy(),
        scheduler_module: str = "scheduler") -> int:
     """Run the stack until Ctrl-C/SIGTERM (0) or until a child cannot start (1); 2 for bad arguments or a
     port in use. `scheduler_module` runs another scheduler service (benchmarks' baselines)."""
-    problem = shape.problem(settings.port)
+    problem = topology.problem(settings.port)
     if problem is not None:
         say(problem)
         return 2
-    gateways = shape.gateway_ports(settings.port).values()
+    gateways = topology.gateway_ports(settings.port).values()
     busy = next(filter(None, (port_in_use(settings.host, port) for port in gateways)), None)
-    if busy is None and not settings.redis_url and shape.redis_port:
-        busy = port_in_use("127.0.0.1", shape.redis_port)
+    if busy is None and not settings.redis_url and topology.redis_port:
+        busy = port_in_use("127.0.0.1", topology.redis_port)
     if busy is not None:
         say(f"cannot listen on {busy}; another server is probably there. Stop it, or pick other ports with "
             "--port (and --redis-port); nothing was started")
@@ -423,17 +423,17 @@ def up(settings: Settings, shape: Shape = Shape(), policy: RestartPolicy = Resta
 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _run(stack, shape, policy)
+        return _run(stack, topology, policy)
     finally:
         stack.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def _run(stack: Stack, shape: Shape, policy: RestartPolicy) -> int:
+def _run(stack: Stack, topology: Topology, policy: RestartPolicy) -> int:
     settings = stack.settings
     if not settings.redis_url:
-        url = stack.start_redis(shape.redis_port)
+        url = stack.start_redis(topology.redis_port)
         if url is None:
             return 1
         stack.settings = settings = settings.replace(redis_url=url)
@@ -441,8 +441,8 @@ def _run(stack: Stack, shape: Shape, policy: RestartPolicy) -> int:
         say(f"no Redis answers at {redact(settings.redis_url)}; start one or drop --redis-url to let pagedserve "
             "start it")
         return 1
-    gateway_ports = shape.gateway_ports(settings.port)
-    stack.start_services(shape.workers, gateway_ports)
+    gateway_ports = topology.gateway_ports(settings.port)
+    stack.start_services(topology.workers, gateway_ports)
     probe = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
     public = [http_url(settings.host, port) for port in gateway_ports.values()]
     readiness = Readiness(settings.redis_url, {name: http_url(probe, port) for name, port in gateway_ports.items()})

@@ -48,11 +48,6 @@ class BeamSearch:
     reported: dict[int, list[tuple[int, float]]] = field(default_factory=dict)  # live beam → its candidates
     done: bool = False
 
-    @staticmethod
-    def num_candidates(width: int, num_eos: int) -> int:
-        """K: how many continuations a step ranks, and each beam reports."""
-        return max(2, 1 + num_eos) * width
-
     def step(self, outputs: list[list[int]], num_candidates: int, max_new_tokens: int,
              stop_reason: Callable[[int, int], str | None]) -> list[Continuation]:
         """One step, once every live beam b (whose tokens are `outputs[b]`) has reported its candidates;

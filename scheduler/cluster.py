@@ -33,11 +33,11 @@ class WorkerChanges:
     refused: list[tuple[str, str]] = field(default_factory=list)  # (worker id, why)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Orphans:
     """What became of a gone gateway's requests."""
-    taken_up: int = 0  # by another gateway, whose client reconnected there
-    aborted: int = 0
+    taken_up: int  # by another gateway, whose client reconnected there
+    aborted: int
 
 
 class Cluster:
@@ -258,15 +258,14 @@ class Cluster:
         rid → gateway), or is aborted, as nobody will read its tokens."""
         taken_up = taken_up or {}
         self.gateways_down.pop(gateway_id, None)
-        orphans = Orphans()
-        for rid in self.requests_of(gateway_id):
+        rids = self.requests_of(gateway_id)
+        for rid in rids:
             if rid in taken_up:
                 self.requests[rid].gateway_id = taken_up[rid]
-                orphans.taken_up += 1
             else:
                 self.abort(rid, "abort", now)
-                orphans.aborted += 1
-        return orphans
+        moved = sum(rid in taken_up for rid in rids)
+        return Orphans(taken_up=moved, aborted=len(rids) - moved)
 
     def expire(self, now: float) -> None:
         """Fail the requests that waited for a worker over request_timeout; forget old early aborts."""

@@ -71,7 +71,7 @@ class RequestState:
     uncached: int = 0  # prompt tokens its worker had not cached when it was placed there
     last_reason: str = "stop"
     beam: BeamSearch | None = None  # a beam search: its samples are the live beams, best first
-    gateway_id: str = ""  # the gateway streaming it to its client: its submitter's, or one that took it up since
+    gateway_id: str = field(init=False)  # the gateway streaming it to its client: its submitter's, or a taker's since
 
     def __post_init__(self) -> None:
         self.gateway_id = self.req.gateway_id

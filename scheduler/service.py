@@ -179,6 +179,14 @@ class SchedulerService:
                 await self.pump()
         return read
 
+    async def _missed_aborts(self) -> None:
+        """Aborts written while no scheduler read them (a client gone, a response cancelled during a restart): the
+        control stream keeps them, and those of the requests resumed apply now (the reader takes the rest)."""
+        for entry_id, fields in await self.client.xrange(self.keys.control):
+            msg = decode_entry(self.keys.control, entry_id, fields, (Abort, WorkerGone))
+            if isinstance(msg, Abort) and msg.rid in self.cluster.requests:
+                self.cluster.abort(msg.rid, msg.reason, time.time())
+
     def _on_control(self, msg: Abort | WorkerGone) -> None:
         if isinstance(msg, Abort):
             self.cluster.abort(msg.rid, msg.reason, time.time())
@@ -253,7 +261,7 @@ class SchedulerService:
         for gateway_id in self.cluster.orphaned({g for g in gateways if not alive[g]}, now):
             rids = self.cluster.requests_of(gateway_id)
             readers = await self.client.mget([self.keys.reader(rid) for rid in rids]) if rids else []
-            holders = {rid: r.decode().partition(":")[0] for rid, r in zip(rids, readers) if r}
+            holders = {rid: self.keys.reader_instance(r) for rid, r in zip(rids, readers) if r}
             holders = {rid: g for rid, g in holders.items() if g != gateway_id}
             live = await self._alive(sorted(set(holders.values())))
             orphans = self.cluster.gateway_gone(gateway_id, now, {rid: g for rid, g in holders.items() if live[g]})
@@ -307,6 +315,7 @@ class SchedulerService:
         gc.freeze()
         requests_reader = connect_async(self.settings.redis_url, blocking=True)
         read_control = await self._stream_reader(self.keys.control, (Abort, WorkerGone), self._on_control)
+        await self._missed_aborts()
         read_results = await self._stream_reader(self.keys.results, (StepResult,), self._on_result)
         tasks = [
             asyncio.create_task(self._read_forever("requests", lambda: self._read_requests(requests_reader))),

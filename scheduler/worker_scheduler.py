@@ -376,7 +376,7 @@ class WorkerScheduler:
         """Every live beam reported: keep the best continuations (scheduler/beam_search.py). A beam that goes on
         in several ways forks its sequence (its blocks shared, copy-on-write); one that does not is freed."""
         params, reg, search = rs.req.params, self.reg, rs.beam
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(reg.eos_token_ids))
+        stops = params.stop_tokens(reg.eos_token_ids)
         max_new = min(params.max_tokens, reg.max_model_len - len(rs.prompt))
 
         def stop_reason(token: int, length: int) -> str | None:
@@ -384,8 +384,7 @@ class WorkerScheduler:
         if search.num_generated + 1 < params.min_tokens:  # stop tokens are not candidates yet (the worker sent
             # one more candidate per stop token for this)
             search.reported = {b: [(t, lp) for t, lp in top if t not in stops] for b, top in search.reported.items()}
-        num_eos = 0 if params.ignore_eos else len(reg.eos_token_ids)
-        going = search.step(rs.outputs, search.num_candidates(search.width, num_eos), max_new, stop_reason)
+        going = search.step(rs.outputs, params.beam_candidates(reg.eos_token_ids), max_new, stop_reason)
         if search.done:
             best = search.best(params.n)
             self.finish(rs, best[0].finish_reason if best else "length", beams=best)

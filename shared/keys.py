@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FIELD = "m"  # each stream entry holds one msgpack payload under this field
+READER_SEPARATOR = ":"  # a reader key's token: the gateway instance, then the connection's nonce
 # Approximate caps of the shared streams (requests is never trimmed: entries leave when acknowledged).
 CONTROL_MAXLEN = 10_000
 RESULTS_MAXLEN = 10_000
@@ -96,6 +97,16 @@ class Keys:
     def responses(self) -> str:
         """Sorted set of stored response ids by creation time: the store's bound evicts the oldest."""
         return f"{self.prefix}:responses"
+
+    @staticmethod
+    def reader_token(instance: str, connection: str) -> str:
+        return f"{instance}{READER_SEPARATOR}{connection}"
+
+    @staticmethod
+    def reader_instance(token: bytes | str) -> str:
+        """The gateway instance a reader key's token names."""
+        text = token.decode() if isinstance(token, bytes) else token
+        return text.partition(READER_SEPARATOR)[0]
 
     def out(self, rid: str) -> str:
         """Stream of TokenOutput for one request."""

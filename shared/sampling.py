@@ -117,6 +117,15 @@ class SamplingParams:
                                                    f"got {self.early_stopping!r}")
         return self
 
+    def stop_tokens(self, eos_token_ids: list[int] | tuple[int, ...]) -> frozenset[int]:
+        """The tokens that end a sample: its stop_token_ids, and the model's EOS ids unless ignore_eos."""
+        return frozenset(self.stop_token_ids).union(() if self.ignore_eos else eos_token_ids)
+
+    def beam_candidates(self, eos_token_ids: list[int] | tuple[int, ...]) -> int:
+        """K: how many continuations a beam search step ranks, and each beam reports (at least two per beam, and one
+        more than the EOS ids, so that beams ending on EOS leave enough going on, as transformers does)."""
+        return max(2, 1 + (0 if self.ignore_eos else len(eos_token_ids))) * self.beam_width
+
 
 def _in_range(name: str, value: float, low: float, high: float | None) -> None:
     if not math.isfinite(value) or value < low or (high is not None and value > high):

@@ -205,12 +205,16 @@ def aborts(url: str) -> list[Abort]:
     return [decode(f[FIELD.encode()], Abort) for _, f in redis.Redis.from_url(url).xrange(KEYS.control)]
 
 
-def sse_frames(body: str) -> list[tuple[str, str]]:
-    """(id, data) of each event: every event has its id, then one data line."""
+def sse_frames(body: str) -> list[tuple[str | None, str]]:
+    """(id, data) of each event: every event has its id, then one data line; but an error that ends a stream, and
+    its [DONE], which are no events of the requests' streams (None)."""
     assert body.endswith("\n\n")
     frames = [f.split("\n") for f in body.split("\n\n")[:-1]]
-    assert all(len(f) == 2 and f[0].startswith("id: ") and f[1].startswith("data: ") for f in frames), frames
-    return [(f[0][len("id: "):], f[1][len("data: "):]) for f in frames]
+    numbered = [len(f) == 2 and f[0].startswith("id: ") and f[1].startswith("data: ") for f in frames]
+    plain = [len(f) == 1 and f[0].startswith("data: ") for f in frames]
+    assert all(a or b for a, b in zip(numbered, plain)) and (all(numbered) or '"error"' in frames[-2][0]), frames
+    return [(f[0][len("id: "):], f[1][len("data: "):]) if len(f) == 2 else (None, f[0][len("data: "):])
+            for f in frames]
 
 
 def sse_events(body: str) -> list[str]:

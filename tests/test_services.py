@@ -15,7 +15,7 @@ import pytest
 from pagedserve.bus_client import BusClient
 from pagedserve.launcher import Stack
 from shared.keys import FIELD, Keys
-from shared.protocol import TokenOutput, decode, encode
+from shared.protocol import Abort, TokenOutput, decode, encode
 from shared.sampling import SamplingParams
 from shared.settings import Settings
 
@@ -144,6 +144,22 @@ def test_scheduler_killed_and_replaced(redis_url, stack_factory, reference):
         stack.start_scheduler("scheduler-2")
     assert _stream_with_fault(client, stack, batch, replace_scheduler) == reference(batch)
     assert "resumed requests" in stack.log("scheduler-2")
+
+
+def test_an_abort_written_while_no_scheduler_runs_is_applied_by_the_next_one(redis_url, stack_factory):
+    """A client gone, or a background response cancelled, while the scheduler restarts: the control stream keeps
+    the abort, and the scheduler that resumes the request applies it."""
+    stack, client = stack_factory(redis_url, workers=("w0",))
+    long = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
+    doomed, kept = (client.submit(p, long) for p in prompts(2, seed=14))
+    client.wait_for(lambda: (client.poll(), client.generated_count([doomed, kept]) >= 20)[1], "tokens to stream")
+    stack.kill("scheduler")
+    client.redis.xadd(Keys().control, {FIELD: encode(Abort(doomed, "cancelled"))})
+    stack.start_scheduler("scheduler-2")
+    client.wait([doomed], timeout=60, stack=stack)
+    assert client.folds[doomed].end.finish_reason == "abort" and client.generated_count([doomed]) < 1500
+    client.poll()
+    assert client.folds[kept].end is None, "the other request runs on"
 
 
 def test_redis_restart_mid_stream(own_redis, stack_factory, reference):
