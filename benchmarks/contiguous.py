@@ -15,101 +15,76 @@ on demand.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
+from dataclasses import dataclass
+from typing import Callable
 
 from scheduler import service
-from scheduler.kv_cache_manager import Growth, cdiv
+from scheduler.kv_cache_manager import Growth, Write
 from scheduler.request import RequestState
-from scheduler.worker_scheduler import LookaheadScheduler, StepBuilder, WorkerScheduler
-from shared.settings import Settings
+from scheduler.worker_scheduler import WorkerScheduler, WorkerSchedulerFactory
 
 
-class Reserving:
-    """Mixed into a WorkerScheduler: admission takes a max_model_len reservation per sequence (Orca (Max)),
-    or waits."""
+def max_model_len_tokens(rs: RequestState, max_model_len: int) -> int:
+    """Orca (Max): max_model_len."""
+    return max_model_len
 
-    def _reserved_tokens(self: WorkerScheduler, rs: RequestState) -> int:
-        return self.reg.max_model_len
 
-    def _reservation(self: WorkerScheduler, rs: RequestState) -> int:
+def pow2_tokens(rs: RequestState, max_model_len: int) -> int:
+    """Orca (Pow2): the prompt plus the output length rounded up to a power of two."""
+    return len(rs.prompt) + (1 << (rs.req.params.max_tokens - 1).bit_length())
+
+
+def oracle_tokens(rs: RequestState, max_model_len: int) -> int:
+    """Orca (Oracle): the prompt plus exactly the output length."""
+    return len(rs.prompt) + rs.req.params.max_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class ContiguousReservation:
+    """A reservation policy (scheduler/reservation.py): admission takes `reserved_tokens` per sequence, within the
+    worker's capacity, or waits."""
+    reserved_tokens: Callable[[RequestState, int], int]  # (request, max_model_len) → tokens a sequence reserves
+
+    def _blocks(self, ws: WorkerScheduler, rs: RequestState) -> int:
         """Blocks each sequence of the request reserves."""
-        share = self.kv.pool.num_usable // max(1, len(rs.live_samples))
-        tokens = min(self._reserved_tokens(rs), self.reg.max_model_len, share * self.kv.block_size)
-        return cdiv(tokens, self.kv.block_size)
+        share = ws.stats().num_blocks // max(1, len(rs.live_samples))
+        max_model_len = ws.reg.max_model_len
+        tokens = min(self.reserved_tokens(rs, max_model_len), max_model_len, share * ws.reg.block_size)
+        return ws.kv.num_blocks_for(tokens)
 
-    def _admit(self: WorkerScheduler, rs: RequestState, step: StepBuilder) -> bool:
-        if self._reservation(rs) * len(rs.live_samples) + self._keep_free() > self.kv.num_free:
-            return False
-        if not super()._admit(rs, step):
-            return False
-        self._top_up(rs)
-        return True
+    def admits(self, ws: WorkerScheduler, rs: RequestState, keep_free: int) -> bool:
+        return self._blocks(ws, rs) * len(rs.live_samples) + keep_free <= ws.stats().free_blocks
 
-    def _fork_if_due(self: WorkerScheduler, rs: RequestState) -> None:
-        forking = rs.fork_at is not None
-        super()._fork_if_due(rs)
-        if forking and rs.fork_at is None:
-            self._top_up(rs)
+    def started(self, ws: WorkerScheduler, rs: RequestState) -> None:
+        self._top_up(ws, rs)
 
-    def _top_up(self: WorkerScheduler, rs: RequestState) -> None:
+    def forked(self, ws: WorkerScheduler, rs: RequestState) -> None:
+        self._top_up(ws, rs)
+
+    def _top_up(self, ws: WorkerScheduler, rs: RequestState) -> None:
         """Extend each sequence's table to its reservation (blocks no token writes yet); admission made room
         for every sample's, so only forked samples can find too few blocks left, and grow on demand then."""
-        bs = self.kv.block_size
+        bs = ws.reg.block_size
         for seq in rs.seqs:
-            held = self.kv.table_len(seq.seq_id)
-            more = self._reservation(rs) - held
-            if more > 0 and self.kv.allocate_slots(Growth(writes=[(seq.seq_id, held * bs, more * bs)])):
+            held = ws.kv.table_len(seq.seq_id)
+            more = self._blocks(ws, rs) - held
+            if more > 0 and ws.kv.allocate_slots(Growth(writes=[Write(seq.seq_id, held * bs, more * bs)])):
                 seq.resend_table = True  # the worker learns of the blocks with the sequence's next chunk
 
 
-class Pow2Reserving(Reserving):
-    """Orca (Pow2): the prompt plus the output length rounded up to a power of two."""
-
-    def _reserved_tokens(self: WorkerScheduler, rs: RequestState) -> int:
-        return len(rs.prompt) + (1 << (rs.req.params.max_tokens - 1).bit_length())
-
-
-class OracleReserving(Reserving):
-    """Orca (Oracle): the prompt plus exactly the output length."""
-
-    def _reserved_tokens(self: WorkerScheduler, rs: RequestState) -> int:
-        return len(rs.prompt) + rs.req.params.max_tokens
-
-
-class ReservingScheduler(Reserving, WorkerScheduler):
-    pass
-
-
-class ReservingLookaheadScheduler(Reserving, LookaheadScheduler):
-    pass
-
-
-class Pow2ReservingScheduler(Pow2Reserving, WorkerScheduler):
-    pass
-
-
-class Pow2ReservingLookaheadScheduler(Pow2Reserving, LookaheadScheduler):
-    pass
-
-
-class OracleReservingScheduler(OracleReserving, WorkerScheduler):
-    pass
-
-
-class OracleReservingLookaheadScheduler(OracleReserving, LookaheadScheduler):
-    pass
-
-
-# reservation → (scheduler, with async scheduling)
-RESERVATIONS: dict[str, tuple[type[WorkerScheduler], type[WorkerScheduler]]] = {
-    "max": (ReservingScheduler, ReservingLookaheadScheduler),
-    "pow2": (Pow2ReservingScheduler, Pow2ReservingLookaheadScheduler),
-    "oracle": (OracleReservingScheduler, OracleReservingLookaheadScheduler),
+RESERVATIONS: dict[str, Callable[[RequestState, int], int]] = {
+    "max": max_model_len_tokens,
+    "pow2": pow2_tokens,
+    "oracle": oracle_tokens,
 }
 
 
-def scheduler_class(settings: Settings, reservation: str = "max") -> type[WorkerScheduler]:
-    return RESERVATIONS[reservation][settings.async_scheduling]
+def reserving_scheduler(reservation: str = "max") -> WorkerSchedulerFactory:
+    """The per-worker scheduler with that contiguous reservation (with or without async scheduling, as the
+    settings it is given say)."""
+    return functools.partial(WorkerScheduler, reservation=ContiguousReservation(RESERVATIONS[reservation]))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -122,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
         args = parser.parse_args(argv[1:])
         raise SystemExit(launcher.up(launcher.settings_for_up(args), launcher.Topology.from_args(args),
                                      scheduler_module="benchmarks.contiguous"))
-    service.main(argv, scheduler_class)
+    service.main(argv, reserving_scheduler())
 
 
 if __name__ == "__main__":

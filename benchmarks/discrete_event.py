@@ -24,7 +24,7 @@ from gpu_worker.cost_model import Profile
 from gpu_worker.simulated import SimulatedRunner, simulated_worker
 from gpu_worker.worker import Worker
 from scheduler.cluster import Cluster
-from scheduler.worker_scheduler import WorkerScheduler
+from scheduler.worker_scheduler import WorkerSchedulerFactory
 from shared.protocol import Request, StepPlan, StepResult
 from shared.sampling import SamplingParams
 from shared.settings import Settings
@@ -65,7 +65,7 @@ class WorkerLoad:
 
 class Simulation:
     def __init__(self, settings: Settings, profile: Profile, num_workers: int,
-                 worker_scheduler: type[WorkerScheduler] | None = None, cluster: ClusterFactory | None = None) -> None:
+                 worker_scheduler: WorkerSchedulerFactory | None = None, cluster: ClusterFactory | None = None) -> None:
         self.settings = settings
         self.cluster = (cluster or Cluster)(settings, worker_scheduler=worker_scheduler)
         self.workers: dict[str, Worker] = {}

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from benchmarks.token_worker import TokenWorker
 from benchmarks.workloads import WorkloadSpec, arrival_times, build_requests
-from benchmarks.contiguous import ReservingLookaheadScheduler
+from benchmarks.contiguous import reserving_scheduler
 from scheduler.cluster import Cluster
 from shared.protocol import Request, WorkerRegistration
 from shared.sampling import SamplingParams
@@ -94,7 +94,7 @@ def run_paged(jobs: list[Job], cfg: Config, *, caching: bool = False, reserving:
     settings = Settings(block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
                         max_num_batched_tokens=cfg.max_num_batched_tokens, enable_prefix_caching=caching)
     reg = WorkerRegistration("w0", "bench", cfg.num_blocks + 1, 0, cfg.block_size, cfg.max_model_len, [0])
-    sched = Cluster(settings, worker_scheduler=ReservingLookaheadScheduler if reserving else None)
+    sched = Cluster(settings, worker_scheduler=reserving_scheduler() if reserving else None)
     sched.add_worker(reg)
     worker = TokenWorker(reg)
     ws = sched.workers["w0"]
@@ -117,7 +117,8 @@ def run_paged(jobs: list[Job], cfg: Config, *, caching: bool = False, reserving:
             tokens = sum(s.num_computed for _, s in seqs)
             lengths = {(rid, s.seq_id): ws.kv.table_len(s.seq_id) * bs for rid, s in seqs}
             reserved = sum(min(lengths[(rid, s.seq_id)], final[rid]) - s.num_computed for rid, s in seqs)
-            held = (ws.kv.pool.num_usable - ws.kv.num_free) * bs
+            stats = ws.stats()
+            held = (stats.num_blocks - stats.free_blocks) * bs
             tally.add(len(plan.scheduled) if plan else 0, tokens, held, reserved, 0, sum(lengths.values()))
         step += 1
     sched.pop_finished()

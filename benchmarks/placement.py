@@ -34,7 +34,7 @@ from benchmarks.discrete_event import Simulation  # noqa: E402
 from benchmarks.workloads import arrival_times, prefix_groups  # noqa: E402
 from gpu_worker.cost_model import get_profile  # noqa: E402
 from scheduler.cluster import Cluster  # noqa: E402
-from scheduler.worker_scheduler import WorkerScheduler  # noqa: E402
+from scheduler.worker_scheduler import WorkerScheduler, WorkerSchedulerFactory  # noqa: E402
 from shared.settings import Settings  # noqa: E402
 
 BUILT_IN = "prefix-aware (built-in)"
@@ -45,7 +45,7 @@ LLM_D = {"precise prefix-aware": (8730, 0.54), "estimated prefix-aware": (6944, 
 class RoundRobinCluster(Cluster):
     """Each new request on the next worker in turn (of those that can run it)."""
 
-    def __init__(self, settings: Settings, worker_scheduler: type[WorkerScheduler] | None = None) -> None:
+    def __init__(self, settings: Settings, worker_scheduler: WorkerSchedulerFactory | None = None) -> None:
         super().__init__(settings, worker_scheduler=worker_scheduler)
         self._turn = itertools.count()
 
@@ -56,7 +56,7 @@ class RoundRobinCluster(Cluster):
 class RandomCluster(Cluster):
     """Each new request on a worker drawn uniformly (seeded)."""
 
-    def __init__(self, settings: Settings, worker_scheduler: type[WorkerScheduler] | None = None) -> None:
+    def __init__(self, settings: Settings, worker_scheduler: WorkerSchedulerFactory | None = None) -> None:
         super().__init__(settings, worker_scheduler=worker_scheduler)
         self._rng = random.Random(0)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import plot
-from benchmarks.contiguous import scheduler_class
+from benchmarks.contiguous import reserving_scheduler
 from benchmarks.discrete_event import Simulation, point
 from benchmarks.serving import write_report
 from benchmarks.workloads import WorkloadSpec, arrival_times, build_requests
@@ -71,7 +71,7 @@ def sweep(profile: Profile, plan: Plan, out_dir: Path) -> list[Path]:
                             vocab_size=profile.model.vocab_size, max_model_len=settings.max_model_len)
         requests = build_requests(spec, plan.seed)
         for label, reservation in SYSTEMS.items():
-            worker_scheduler = scheduler_class(settings, reservation) if reservation else None
+            worker_scheduler = reserving_scheduler(reservation) if reservation else None
             report: dict[str, Any] = {"system": label, "model": profile.name, "simulated": True,
                                       "workload": {"dataset": dataset, "num_prompts": spec.num_prompts,
                                                    "max_model_len": spec.max_model_len, "seed": plan.seed},

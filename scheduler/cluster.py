@@ -13,13 +13,12 @@ import sys
 from dataclasses import dataclass, field
 
 from scheduler.beam_search import BeamSearch
-from scheduler.kv_cache_manager import cdiv
 from scheduler.request import FinishedRequest, RequestState, Status
-from scheduler.worker_scheduler import ORDER, Ids, LookaheadScheduler, WorkerScheduler
+from scheduler.worker_scheduler import ORDER, Ids, WorkerScheduler, WorkerSchedulerFactory
 from shared.out_stream import OutOfOrder, OutputFold
 from shared.protocol import (
     REJECTED, SCHEDULER_WRITER, UNAVAILABLE, Assignment, ProtocolError, Request, SchedulerStats, StepPlan,
-    StepResult, TokenOutput, WorkerRegistration, WorkerStats, decode,
+    StepResult, TokenOutput, WorkerRegistration, decode,
 )
 from shared.sampling import finish_reason
 from shared.settings import Settings
@@ -42,11 +41,10 @@ class Orphans:
 
 class Cluster:
     def __init__(self, settings: Settings, epoch: int = 0,
-                 worker_scheduler: type[WorkerScheduler] | None = None) -> None:
+                 worker_scheduler: WorkerSchedulerFactory | None = None) -> None:
         self.settings = settings
         self.epoch = epoch
-        self.worker_scheduler = worker_scheduler or (LookaheadScheduler if settings.async_scheduling
-                                                     else WorkerScheduler)
+        self.worker_scheduler = worker_scheduler or WorkerScheduler
         self.workers: dict[str, WorkerScheduler] = {}
         self.requests: dict[str, RequestState] = {}
         self.unplaced: list[RequestState] = []  # no worker yet; arrival order
@@ -306,7 +304,7 @@ class Cluster:
         misfits = {wid: _misfit(rs, ws) for wid, ws in self.workers.items()}
         fitting = [ws for wid, ws in self.workers.items() if misfits[wid] is None]
         if not fitting:
-            largest = max(self.workers.values(), key=lambda ws: ws.kv.pool.num_usable * ws.kv.block_size)
+            largest = max(self.workers.values(), key=lambda ws: ws.stats().num_blocks * ws.reg.block_size)
             rs.status = Status.FINISHED
             self._collect([FinishedRequest(rs.rid, "error", misfits[largest.worker_id], REJECTED)])
             return
@@ -333,10 +331,7 @@ class Cluster:
             ws.apply_result(result)
 
     def stats(self, now: float) -> SchedulerStats:
-        workers = [WorkerStats(wid, ws.kv.pool.num_usable, ws.kv.num_free, ws.num_running_seqs,
-                               ws.kv.pool.prefix_queries, ws.kv.pool.prefix_hits, ws.kv.pool.num_shared, ws.num_steps,
-                               ws.kv.num_forks, ws.kv.num_copies)
-                   for wid, ws in self.workers.items()]
+        workers = [ws.stats() for ws in self.workers.values()]
         return SchedulerStats(
             time=now,
             running=sum(len(ws.running) for ws in self.workers.values()),
@@ -358,10 +353,10 @@ def _misfit(rs: RequestState, ws: WorkerScheduler) -> str | None:
     if tokens >= reg.max_model_len:
         return (f"the request has {tokens} tokens, but max_model_len is {reg.max_model_len}: "
                 "there is no room to generate")
-    blocks = cdiv(tokens, reg.block_size)
-    if blocks > ws.kv.pool.num_usable:
+    blocks, capacity = ws.kv.num_blocks_for(tokens), ws.stats().num_blocks
+    if blocks > capacity:
         return (f"the request has {tokens} tokens, which need {blocks} KV blocks of {reg.block_size} tokens, "
-                f"but worker {reg.worker_id} holds only {ws.kv.pool.num_usable} blocks")
+                f"but worker {reg.worker_id} holds only {capacity} blocks")
     if reg.vocab_size:
         params = rs.req.params
         ids = (*rs.prompt, *params.stop_token_ids, *params.allowed_token_ids, *(t for t, _ in params.logit_bias))
@@ -379,4 +374,4 @@ def _placement_key(uncached: int, ws: WorkerScheduler) -> tuple[int, int, int]:
     queued = sum(r.uncached for r in ws.waiting) + sum(r.longest for r in ws.preempted)
     running = sum(max(1, r.num_tokens(s) - s.num_computed) for r in ws.running for s in r.seqs)
     load = len(ws.waiting) + len(ws.preempted) + ws.num_running_seqs
-    return queued + running + uncached, load, -ws.kv.num_free
+    return queued + running + uncached, load, -ws.stats().free_blocks

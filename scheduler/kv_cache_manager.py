@@ -11,6 +11,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from scheduler.block_pool import Block, BlockPool
 
@@ -53,15 +54,37 @@ class SeqBlocks:
     num_cached: int = 0  # leading blocks of the table that are in the prefix index
 
 
+class Opening(NamedTuple):
+    """A sequence starting in this step, on its prefix hits."""
+    seq_id: int
+    hits: list[Block]
+    hashes: list[bytes]  # block hashes of its tokens
+    num_tokens: int
+
+
+class Write(NamedTuple):
+    """A sequence's next `num_new` tokens, after the `num_computed` its KV already covers."""
+    seq_id: int
+    num_computed: int
+    num_new: int
+
+
+class WriteSpan(NamedTuple):
+    """The blocks a write touches in a table of `table_len` blocks: those it holds already that the new tokens
+    write into (`first` to `stop`), and how many to append (`grow`)."""
+    first: int
+    stop: int
+    grow: int
+
+
 @dataclass(slots=True)
 class Growth:
-    """What one request asks of the cache in one step; `allocate_slots` grants all of it or nothing. (Empty
-    parts are tuples: this runs for every request every step, and garbage collection pauses follow the number
-    of objects made.)"""
-    opens: Sequence[tuple[int, list[Block], list[bytes], int]] = ()  # sequences starting here: (seq id,
-    # prefix-hit blocks, block hashes of its tokens, its number of tokens)
+    """What one request asks of the cache in one step; `allocate_slots` grants all of it or nothing. (Its parts
+    are named tuples and empty ones tuples: this runs for every request every step, and garbage collection
+    pauses follow the number of objects made.)"""
+    opens: Sequence[Opening] = ()
     swap_in: Sequence[int] = ()  # swapped sequences coming back to the device
-    writes: Sequence[tuple[int, int, int]] = ()  # (seq id, num_computed, num_new)
+    writes: Sequence[Write] = ()
 
 
 @dataclass(slots=True)
@@ -131,6 +154,19 @@ class KVCacheManager:
         seq.num_cached = full
 
     # ---- slots ----------------------------------------------------------------------------
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks a table needs to hold `num_tokens` tokens."""
+        return cdiv(num_tokens, self.block_size)
+
+    def span(self, table_len: int, write: Write) -> WriteSpan:
+        """The one walk of the blocks a write touches: every count of blocks a step needs comes from here. (It runs
+        twice per sequence per step: its arithmetic is written out.)"""
+        bs = self.block_size
+        end = -(-(write.num_computed + write.num_new) // bs)
+        if end > table_len:
+            return WriteSpan(write.num_computed // bs, table_len, end - table_len)
+        return WriteSpan(write.num_computed // bs, end, 0)
+
     def allocate_slots(self, growth: Growth, keep_free: int = 0) -> Slots | None:
         """Grant `growth` whole: open sequences on their prefix hits, swap sequences in, and make each
         written sequence's table cover num_computed + num_new tokens, copying any shared block the new
@@ -138,19 +174,20 @@ class KVCacheManager:
         blocks free."""
         if self._blocks_needed(growth) + keep_free > self.pool.num_free:
             return None
-        for seq_id, hits, hashes, num_tokens in growth.opens:
-            self.pool.touch(hits)
-            self.pool.prefix_queries += num_tokens
-            self.pool.prefix_hits += len(hits) * self.block_size
-            self.seqs[seq_id] = SeqBlocks(list(hits), list(hashes), len(hits))
+        for opening in growth.opens:
+            self.pool.touch(opening.hits)
+            self.pool.prefix_queries += opening.num_tokens
+            self.pool.prefix_hits += len(opening.hits) * self.block_size
+            self.seqs[opening.seq_id] = SeqBlocks(list(opening.hits), list(opening.hashes), len(opening.hits))
         new_block_ids: dict[int, list[int]] = {}
         copies: list[tuple[int, int]] = []
         rewritten: set[int] = set()
         swapped = self._swap_in(growth.swap_in) if growth.swap_in else ()
-        for seq_id, num_computed, num_new in growth.writes:
+        for write in growth.writes:
+            seq_id = write.seq_id
             table = self.seqs[seq_id].table
-            end_block = cdiv(num_computed + num_new, self.block_size)
-            for i in range(num_computed // self.block_size, min(len(table), end_block)):  # blocks written into
+            span = self.span(len(table), write)
+            for i in range(span.first, span.stop):
                 block = table[i]
                 if block.ref_cnt > 1:
                     (fresh,) = self.pool.allocate(1)
@@ -159,9 +196,8 @@ class KVCacheManager:
                     self.num_copies += 1
                     self.pool.free([block])
                     table[i] = fresh
-            grow = end_block - len(table)
-            if grow > 0:
-                added = self.pool.allocate(grow)
+            if span.grow:
+                added = self.pool.allocate(span.grow)
                 table.extend(added)
                 new_block_ids[seq_id] = [b.block_id for b in added]
             else:
@@ -174,19 +210,18 @@ class KVCacheManager:
         need = 0
         opened: dict[int, list[Block]] = {}
         if growth.opens:
-            opened = {seq_id: hits for seq_id, hits, _, _ in growth.opens}
+            opened = {opening.seq_id: opening.hits for opening in growth.opens}
             need = len({b.block_id for hits in opened.values() for b in hits if b.ref_cnt == 0})
         if growth.swap_in:
             need += self._distinct([self.swapped[s].table for s in growth.swap_in])
         writers: dict[int, int] = {}  # shared block id → its writers
         shared: dict[int, Block] = {}
-        bs = self.block_size
-        for seq_id, num_computed, num_new in growth.writes:
+        for write in growth.writes:
+            seq_id = write.seq_id
             table = opened[seq_id] if seq_id in opened else (self.seqs.get(seq_id) or self.swapped[seq_id]).table
-            end_block = cdiv(num_computed + num_new, bs)
-            if end_block > len(table):
-                need += end_block - len(table)
-            for i in range(num_computed // bs, min(len(table), end_block)):  # blocks written into
+            span = self.span(len(table), write)
+            need += span.grow
+            for i in range(span.first, span.stop):
                 block = table[i]
                 if block.ref_cnt > 1:
                     writers[block.block_id] = writers.get(block.block_id, 0) + 1
@@ -205,7 +240,7 @@ class KVCacheManager:
         """The child shares the parent's blocks that hold its first `num_tokens` tokens."""
         parent = self.seqs[parent_id]
         self.num_forks += 1
-        shared = parent.table[:cdiv(num_tokens, self.block_size)]
+        shared = parent.table[:self.num_blocks_for(num_tokens)]
         self.pool.touch(shared)
         full = num_tokens // self.block_size
         self.seqs[child_id] = SeqBlocks(list(shared), parent.hashes[:full], min(parent.num_cached, full))

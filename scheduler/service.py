@@ -17,7 +17,6 @@ import signal
 import socket
 import time
 from dataclasses import dataclass
-from typing import Callable
 
 import redis
 
@@ -25,7 +24,7 @@ from scheduler.cluster import Cluster
 from scheduler.lease import Lease
 from scheduler.request import FinishedRequest
 from scheduler.snapshot import CacheMonitor
-from scheduler.worker_scheduler import WorkerScheduler
+from scheduler.worker_scheduler import WorkerSchedulerFactory
 from shared.bus import (
     BLOCK_MS, RECONNECT_ERRORS, Backoff, connect_async, decode_entry, read_registry, registry_query, retry_async,
 )
@@ -49,7 +48,7 @@ class Queued:
 
 class SchedulerService:
     def __init__(self, settings: Settings, keys: Keys | None = None,
-                 worker_scheduler: type[WorkerScheduler] | None = None) -> None:
+                 worker_scheduler: WorkerSchedulerFactory | None = None) -> None:
         self.settings = settings
         self.keys = keys or Keys()
         self.name = f"scheduler-{socket.gethostname()}-{os.getpid()}"
@@ -336,15 +335,15 @@ class SchedulerService:
 
 
 def main(argv: list[str] | None = None,
-         worker_scheduler: Callable[[Settings], type[WorkerScheduler]] | None = None) -> None:
-    """`worker_scheduler` picks another per-worker scheduler for the settings (benchmarks' baselines)."""
+         worker_scheduler: WorkerSchedulerFactory | None = None) -> None:
+    """`worker_scheduler` makes another per-worker scheduler (benchmarks' baselines)."""
     parser = argparse.ArgumentParser(prog="pagedserve scheduler", description="pagedserve scheduler service")
     Settings.add_arguments(parser)
     settings = Settings.from_args(parser.parse_args(argv))
     setup_logging("scheduler", settings.log_level)
 
     async def serve() -> bool:
-        service = SchedulerService(settings, worker_scheduler=worker_scheduler(settings) if worker_scheduler else None)
+        service = SchedulerService(settings, worker_scheduler=worker_scheduler)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, service.stop_event.set)

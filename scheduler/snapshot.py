@@ -15,11 +15,9 @@ from array import array
 from collections import deque
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Iterable
 
 import numpy as np
 
-from scheduler.block_pool import Block
 from scheduler.cluster import Cluster
 from scheduler.request import Status
 from scheduler.worker_scheduler import WorkerScheduler
@@ -89,7 +87,7 @@ class CacheMonitor:
             self._sample(cluster, now)
         if not watched or now < self.next_snapshot:
             return None
-        num_blocks = sum(len(ws.kv.pool.blocks) for ws in cluster.workers.values())
+        num_blocks = sum(ws.stats().num_blocks + 1 for ws in cluster.workers.values())  # + the null block
         self.next_snapshot = now + max(SNAPSHOT_INTERVAL_S, num_blocks / MAX_BLOCKS_PER_S)
         return self.snapshot(cluster, now)
 
@@ -110,8 +108,8 @@ class CacheMonitor:
         self.workers = {wid: w for wid, w in self.workers.items() if cluster.workers.get(wid) is w.ws}
         for ws in cluster.workers.values():
             w = self._worker(ws)
-            h, s, pool = w.history, w.steps, ws.kv.pool
-            queries, hits = pool.prefix_queries, pool.prefix_hits
+            h, s, stats = w.history, w.steps, ws.stats()
+            queries, hits = stats.prefix_queries, stats.prefix_hits
             for column, value in ((h.steps, s.steps), (h.seqs, s.seqs), (h.tokens, s.tokens),
                                   (h.sampled, s.sampled), (h.prefix_queries, queries - w.prefix_seen[0]),
                                   (h.prefix_hits, hits - w.prefix_seen[1]), (h.running, len(ws.running)),
@@ -124,41 +122,39 @@ class CacheMonitor:
 
     def _worker_snapshot(self, ws: WorkerScheduler) -> WorkerSnapshot:
         w = self._worker(ws)
-        kv, pool = ws.kv, ws.kv.pool
-        n = len(pool.blocks)
+        view, stats = ws.snapshot(), ws.stats()
+        n = view.num_blocks
         # Every device table, running requests in order: a block's reference count is the number of tables
-        # that hold it. numpy does the per-block work; Python only reads the block ids out.
+        # that hold it. numpy does the per-block work.
         spans: list[tuple[str, int, int, bool]] = []  # (rid, start, end in `ids`, several sequences)
-        tables: list = []
-        for rs in ws.running:
+        tables: list[int] = []
+        for held in view.running:
             start = len(tables)
-            for seq in rs.seqs:
-                tables += kv.seqs[seq.seq_id].table
-            spans.append((rs.rid, start, len(tables), len(rs.seqs) > 1))
-        ids = _block_ids(tables)
+            tables += held.block_ids
+            spans.append((held.rid, start, len(tables), held.several))
+        ids = _ids(tables)
         refs = np.bincount(ids, minlength=n)
         states = np.where(refs == 0, BLOCK_FREE, np.where(refs == 1, BLOCK_USED, BLOCK_SHARED)).astype(np.uint8)
-        cached = _block_ids(pool.cached.values())
+        cached = _ids(view.cached_block_ids)
         states[cached[refs[cached] == 0]] = BLOCK_CACHED
-        if pool.num_usable < n:
+        if view.has_null_block:
             states[0] = BLOCK_NULL
         in_flight = {f.step_id for f in ws.in_flight}
         moving = [b for step_id, blocks in w.moves if step_id in in_flight for b in blocks]
         if moving:
             states[moving] |= BLOCK_MOVING
-        rids, counts, held, complete = _holders(ids, spans)
-        swap = kv.swap_pool
+        rids, counts, held_ids, complete = _holders(ids, spans)
         return WorkerSnapshot(
-            ws.worker_id, kv.block_size, states.tobytes(), np.minimum(refs, 255).astype(np.uint8).tobytes(),
+            ws.worker_id, ws.reg.block_size, states.tobytes(), np.minimum(refs, 255).astype(np.uint8).tobytes(),
             len(ws.running), len(ws.waiting), len(ws.preempted),
-            sum(rs.status is Status.SWAPPED for rs in ws.preempted), ws.num_running_seqs, pool.prefix_queries,
-            pool.prefix_hits, swap.num_usable if swap else 0, swap.num_free if swap else 0, rids, counts, held,
-            complete, _copy(w.history))
+            sum(rs.status is Status.SWAPPED for rs in ws.preempted), stats.running, stats.prefix_queries,
+            stats.prefix_hits, view.num_swap_blocks, view.free_swap_blocks, rids, counts, held_ids, complete,
+            _copy(w.history))
 
 
-def _block_ids(blocks: Iterable[Block]) -> np.ndarray:
-    # A list comprehension into an array is about three times faster than np.fromiter over the blocks.
-    return np.frombuffer(array("q", [b.block_id for b in blocks]), np.int64)
+def _ids(block_ids: list[int]) -> np.ndarray:
+    # Through an array is about three times faster than np.fromiter.
+    return np.frombuffer(array("q", block_ids), np.int64)
 
 
 def _holders(ids: np.ndarray, spans: list[tuple[str, int, int, bool]]) -> tuple[list[str], list[int], bytes, bool]:

@@ -13,7 +13,9 @@ and share its blocks, copying a block on their first write into it (copy-on-writ
 against what the worker holds (shared/protocol.py: StepPlan); a sequence's `num_computed` counts the
 tokens of plans sent, and a step's result commits them (prefix-cache index) and appends its tokens.
 
-`LookaheadScheduler` (async scheduling) plans a step ahead while the worker computes one.
+Two policies are passed in: its pacing (scheduler/pacing.py: one plan in flight, or a lookahead planned while
+the worker computes one, as `settings.async_scheduling` says) and its reservation (scheduler/reservation.py:
+blocks on demand, or a benchmark's contiguous baseline).
 """
 from __future__ import annotations
 
@@ -22,16 +24,27 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from operator import attrgetter
+from typing import Callable, NamedTuple
 
 from scheduler.beam_search import Hypothesis
-from scheduler.kv_cache_manager import Growth, KVCacheManager, Slots
+from scheduler.kv_cache_manager import Growth, KVCacheManager, Opening, Slots, Write
+from scheduler.pacing import Lookahead, Synchronous
 from scheduler.request import FinishedRequest, RequestState, Sequence, Status
-from shared.protocol import FAILED, NewSequence, ScheduledSequence, StepPlan, StepResult, WorkerRegistration
+from scheduler.reservation import OnDemand, Reservation
+from shared.protocol import (
+    FAILED, NewSequence, ScheduledSequence, StepPlan, StepResult, WorkerRegistration, WorkerStats,
+)
 from shared.sampling import finish_reason
 from shared.settings import Settings
 
 ORDER = attrgetter("order")
-Chunk = tuple[Sequence, int, bool]  # (sequence, tokens to compute, whether they reach its end: a token is sampled)
+
+
+class Chunk(NamedTuple):
+    """A sequence's tokens to compute in a step being built."""
+    seq: Sequence
+    num_new: int
+    emits_token: bool  # they reach the sequence's end: the worker samples a token
 
 
 @dataclass(slots=True)
@@ -73,9 +86,31 @@ class StepBuilder:
         return self.budget == 0 or self.seqs_left == 0
 
 
+@dataclass(slots=True)
+class RequestBlocks:
+    """The device blocks a running request's sequences hold."""
+    rid: str
+    block_ids: list[int]  # each sequence's table in turn
+    several: bool  # several sequences: their tables may share blocks
+
+
+@dataclass(slots=True)
+class WorkerView:
+    """What an observer (the dashboard's snapshot) sees of one worker's cache, as block ids."""
+    num_blocks: int  # every device block, the null block included
+    has_null_block: bool
+    cached_block_ids: list[int]  # blocks with a hash in the prefix index, free or held
+    running: list[RequestBlocks]  # running requests, earliest arrival first
+    num_swap_blocks: int
+    free_swap_blocks: int
+
+
 class WorkerScheduler:
-    def __init__(self, reg: WorkerRegistration, settings: Settings, epoch: int, ids: Ids) -> None:
+    def __init__(self, reg: WorkerRegistration, settings: Settings, epoch: int, ids: Ids,
+                 reservation: Reservation | None = None) -> None:
         self.reg = reg
+        self.pacing = Lookahead(reg.max_model_len) if settings.async_scheduling else Synchronous()
+        self.reservation = reservation or OnDemand()
         self.settings = settings
         self.epoch = epoch
         self.ids = ids
@@ -102,6 +137,19 @@ class WorkerScheduler:
     def num_running_seqs(self) -> int:
         return sum(len(rs.seqs) for rs in self.running)
 
+    def stats(self) -> WorkerStats:
+        kv, pool = self.kv, self.kv.pool
+        return WorkerStats(self.worker_id, pool.num_usable, pool.num_free, self.num_running_seqs, pool.prefix_queries,
+                           pool.prefix_hits, pool.num_shared, self.num_steps, kv.num_forks, kv.num_copies)
+
+    def snapshot(self) -> WorkerView:
+        kv, pool, swap = self.kv, self.kv.pool, self.kv.swap_pool
+        running = [RequestBlocks(rs.rid, [b for seq in rs.seqs for b in kv.block_ids(seq.seq_id)], len(rs.seqs) > 1)
+                   for rs in self.running]
+        return WorkerView(len(pool.blocks), pool.num_usable < len(pool.blocks),
+                          [b.block_id for b in pool.cached.values()], running,
+                          swap.num_usable if swap else 0, swap.num_free if swap else 0)
+
     def enqueue(self, rs: RequestState) -> None:
         rs.status = Status.WAITING
         rs.worker_id = self.worker_id
@@ -110,7 +158,7 @@ class WorkerScheduler:
     # ---- one step -------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
         """The worker's next step, or None: nothing to do, or no plan may be sent now."""
-        if not self._may_plan():
+        if not self.pacing.may_plan(len(self.in_flight)):
             return None
         step = StepBuilder(StepPlan(self.worker_id, self.epoch, next(self.ids.steps)),
                            self.settings.max_num_batched_tokens, self.settings.max_num_seqs)
@@ -143,7 +191,8 @@ class WorkerScheduler:
             if slots is not None:
                 self._add(rs, chunks, slots, step)
                 return
-            if not admitting and not self._short_of_blocks(step):
+            if not admitting and not self.pacing.may_make_room(len(self.in_flight)):
+                step.blocked = True
                 return
             if admitting or len(self.running) == 1:
                 if len(chunks) > 1:
@@ -167,7 +216,7 @@ class WorkerScheduler:
             left = self._target(rs, seq) - seq.num_computed
             num_new = min(left, budget)
             if num_new > 0:
-                chunks.append((seq, num_new, num_new == left and rs.fork_at is None and rs.beam is None))
+                chunks.append(Chunk(seq, num_new, num_new == left and rs.fork_at is None and rs.beam is None))
                 budget -= num_new
                 seqs_left -= 1
         return chunks
@@ -197,7 +246,7 @@ class WorkerScheduler:
             seq.resend_table = False
             plan.scheduled.append(item)
             seq.num_computed += num_new
-            self._scheduled(seq, emits)
+            self.pacing.scheduled(seq, emits)
             step.chunks.append(Scheduled(rs, seq, start, num_new, emits))
             step.budget -= num_new
             step.seqs_left -= 1
@@ -213,6 +262,7 @@ class WorkerScheduler:
             self.kv.fork(parent.seq_id, child.seq_id, rs.fork_at)
             rs.seqs.append(child)
         rs.fork_at = None
+        self.reservation.forked(self, rs)
 
     def _preempt(self, rs: RequestState, step: StepBuilder) -> None:
         self.running.remove(rs)
@@ -262,7 +312,7 @@ class WorkerScheduler:
     def _admit(self, rs: RequestState, step: StepBuilder) -> bool:
         """Start a waiting or recompute-preempted request: prompt + output so far, on its prefix hits."""
         live = rs.live_samples
-        if not self._room_for(step, len(live)):
+        if not self._room_for(step, len(live)) or not self.reservation.admits(self, rs, self._keep_free()):
             return False
         fork_at = rs.fork_point()
         prompt_hashes = self._prompt_hashes(rs)
@@ -279,10 +329,10 @@ class WorkerScheduler:
             hits = [] if fresh else self.kv.find_prefix(hashes, end + (fork_at is not None))
             seq = Sequence(next(self.ids.seqs), i, num_computed=len(hits) * self.kv.block_size)
             seqs.append(seq)
-            opens.append((seq.seq_id, hits, hashes, len(tokens)))
+            opens.append(Opening(seq.seq_id, hits, hashes, len(tokens)))
             num_new = min(end - seq.num_computed, budget) if seqs_left else 0
             if num_new > 0:
-                chunks.append((seq, num_new, seq.num_computed + num_new == len(tokens) and rs.beam is None))
+                chunks.append(Chunk(seq, num_new, seq.num_computed + num_new == len(tokens) and rs.beam is None))
                 budget -= num_new
                 seqs_left -= 1
         slots = self.kv.allocate_slots(Growth(opens, (), _writes(chunks)), self._keep_free())
@@ -290,6 +340,7 @@ class WorkerScheduler:
             return False
         rs.seqs, rs.fork_at = seqs, fork_at
         self._start_running(rs, step, chunks, slots)
+        self.reservation.started(self, rs)
         return True
 
     def _swap_in(self, rs: RequestState, step: StepBuilder) -> bool:
@@ -357,7 +408,7 @@ class WorkerScheduler:
             if (c is None or c.rs.status is not Status.RUNNING
                     or out.output_index != len(c.rs.outputs[out.sample_index])):
                 continue
-            self._token_arrived(c.seq)
+            self.pacing.token_arrived(c.seq)
             self._append_token(c.rs, c.seq, out.token_id)
         for beams in result.beams:
             c = reporting.pop(beams.seq_id, None)
@@ -445,65 +496,15 @@ class WorkerScheduler:
         self.ended = [f for f in self.ended if f.rid in carried]
         return done
 
-    # ---- where the lookahead differs (see LookaheadScheduler) -----------------------------
-    def _may_plan(self) -> bool:
-        return not self.in_flight
-
     def _target(self, rs: RequestState, seq: Sequence) -> int:
-        """The tokens the sequence's KV should cover: the shared ones while its request forks, else all."""
-        return rs.fork_at if rs.fork_at is not None else rs.num_tokens(seq)
-
-    def _short_of_blocks(self, step: StepBuilder) -> bool:
-        """A running request's chunks do not fit: may the step make room (True), or must it end here?"""
-        return True
-
-    def _scheduled(self, seq: Sequence, emits_token: bool) -> None:
-        """A chunk of `seq` went into a plan."""
-
-    def _token_arrived(self, seq: Sequence) -> None:
-        """A token `seq` emitted came back."""
+        """The tokens the sequence's KV should cover: the shared ones while its request forks, else all (and, for
+        a lookahead, those in flight)."""
+        return self.pacing.target(rs, seq, rs.fork_at if rs.fork_at is not None else rs.num_tokens(seq))
 
 
-class LookaheadScheduler(WorkerScheduler):
-    """Async scheduling: while the worker computes a step, plan the next one as if each sequence sampled in it
-    already had its coming token: one placeholder each, whose id the worker fills in itself (it runs plans in
-    order, and results come back in order, so blocks freed meanwhile are reused only by later plans). At most
-    one plan ahead. A lookahead never preempts, since a sequence in flight cannot give back its token: short
-    of blocks, it ends there, and the worker's pipeline drains before the full step that makes room."""
-
-    def __init__(self, reg: WorkerRegistration, settings: Settings, epoch: int, ids: Ids) -> None:
-        super().__init__(reg, settings, epoch, ids)
-        self.draining = False
-
-    def _may_plan(self) -> bool:
-        if not self.in_flight:
-            self.draining = False
-            return True
-        return len(self.in_flight) == 1 and not self.draining
-
-    def _target(self, rs: RequestState, seq: Sequence) -> int:
-        if seq.num_placeholders and self._token_in_flight_ends(rs, seq):
-            return seq.num_computed  # nothing after a token that is sure to be its last
-        return WorkerScheduler._target(self, rs, seq) + seq.num_placeholders
-
-    def _token_in_flight_ends(self, rs: RequestState, seq: Sequence) -> bool:
-        """Whether the sequence's tokens in flight are sure to end it (max_tokens or max_model_len; an EOS
-        cannot be foreseen: the worker skips a sequence it saw end)."""
-        return (len(rs.outputs[seq.sample_index]) + seq.num_placeholders >= rs.req.params.max_tokens
-                or rs.num_tokens(seq) + seq.num_placeholders >= self.reg.max_model_len)
-
-    def _short_of_blocks(self, step: StepBuilder) -> bool:
-        if not self.in_flight:
-            return True
-        step.blocked = self.draining = True
-        return False
-
-    def _scheduled(self, seq: Sequence, emits_token: bool) -> None:
-        seq.num_placeholders += emits_token
-
-    def _token_arrived(self, seq: Sequence) -> None:
-        seq.num_placeholders -= 1
+# How a cluster makes each worker's scheduler: WorkerScheduler itself, or one given another reservation.
+WorkerSchedulerFactory = Callable[[WorkerRegistration, Settings, int, Ids], WorkerScheduler]
 
 
-def _writes(chunks: list[Chunk]) -> list[tuple[int, int, int]]:
-    return [(seq.seq_id, seq.num_computed, num_new) for seq, num_new, _ in chunks]
+def _writes(chunks: list[Chunk]) -> list[Write]:
+    return [Write(c.seq.seq_id, c.seq.num_computed, c.num_new) for c in chunks]

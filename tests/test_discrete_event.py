@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.contiguous import scheduler_class
+from benchmarks.contiguous import reserving_scheduler
 from benchmarks.discrete_event import Simulation
 from benchmarks.workloads import SampleRequest
 from gpu_worker.cost_model import get_profile
@@ -44,7 +44,7 @@ def test_requests_arriving_together_share_steps_and_each_gets_its_tokens():
 ])
 def test_a_reservation_limits_the_batch_to_the_reservations_that_fit(reservation, concurrent):
     settings = Settings(max_model_len=512, num_blocks=65, watermark=0.0, max_num_seqs=16, swap_space_bytes=0)
-    worker_scheduler = scheduler_class(settings, reservation) if reservation else None
+    worker_scheduler = reserving_scheduler(reservation) if reservation else None
     simulation = Simulation(settings, PROFILE, 1, worker_scheduler)
     timings = simulation.run([SampleRequest([i] * 40, 40) for i in range(20)], [0.0] * 20)  # no shared prefix
     assert all(len(t.token_times) == 40 for t in timings)

@@ -5,7 +5,9 @@ import hashlib
 
 import pytest
 
-from scheduler.kv_cache_manager import NO_PARENT, Growth, KVCacheManager, encode_extra_keys, hash_full_blocks
+from scheduler.kv_cache_manager import (
+    NO_PARENT, Growth, KVCacheManager, Opening, Write, encode_extra_keys, hash_full_blocks,
+)
 
 BS = 8
 
@@ -19,7 +21,8 @@ def run_prompt(kv: KVCacheManager, seq_id: int, tokens: list[int]) -> int:
     hashes = kv.hash_tokens(tokens)
     hits = kv.find_prefix(hashes, len(tokens))
     cached = len(hits) * BS
-    assert kv.allocate_slots(Growth([(seq_id, hits, hashes, len(tokens))], [], [(seq_id, cached, len(tokens) - cached)]))
+    opening = Opening(seq_id, hits, hashes, len(tokens))
+    assert kv.allocate_slots(Growth([opening], [], [Write(seq_id, cached, len(tokens) - cached)]))
     kv.commit(seq_id, tokens, [], len(tokens))
     return cached
 
@@ -80,7 +83,7 @@ def test_generated_tokens_are_cached_once_their_block_fills():
     tokens = list(prompt)
     for t in range(50, 50 + BS):  # decode: one token a step
         tokens.append(t)
-        kv.allocate_slots(Growth(writes=[(1, len(tokens) - 1, 1)]))
+        kv.allocate_slots(Growth(writes=[Write(1, len(tokens) - 1, 1)]))
         kv.commit(1, prompt, tokens[len(prompt):], len(tokens))
     kv.free(1)
     follow_up = tokens + [99] * 5  # the next turn of a chat resends everything
@@ -107,19 +110,19 @@ def test_fork_shares_blocks_and_copies_a_shared_block_on_first_write():
     assert kv.block_ids(1) == kv.block_ids(2) == table
     assert [kv.pool.blocks[b].ref_cnt for b in table] == [3, 3, 3]
     # three writers of one block: two copies, the last writes in place
-    slots = grants_exactly(kv, Growth(writes=[(s, len(prompt) - 1, 1) for s in (0, 1, 2)]), 2)
+    slots = grants_exactly(kv, Growth(writes=[Write(s, len(prompt) - 1, 1) for s in (0, 1, 2)]), 2)
     assert slots.new_block_ids == {0: [], 1: [], 2: []}
     assert slots.copies == [(table[2], kv.block_ids(0)[2]), (table[2], kv.block_ids(1)[2])]
     assert slots.rewritten == {0, 1} and kv.block_ids(2) == table
     assert [kv.pool.blocks[b].ref_cnt for b in table] == [3, 3, 1]
-    grants_exactly(kv, Growth(writes=[(s, len(prompt), 1) for s in (0, 1, 2)]), 0)
+    grants_exactly(kv, Growth(writes=[Write(s, len(prompt), 1) for s in (0, 1, 2)]), 0)
 
 
 def test_fork_on_a_block_boundary_needs_no_copy():
     kv = manager()
     run_prompt(kv, 0, list(range(2 * BS)))
     kv.fork(0, 1, 2 * BS)
-    slots = grants_exactly(kv, Growth(writes=[(0, 2 * BS, 1), (1, 2 * BS, 1)]), 2)
+    slots = grants_exactly(kv, Growth(writes=[Write(0, 2 * BS, 1), Write(1, 2 * BS, 1)]), 2)
     assert slots.copies == []
     assert kv.block_ids(0)[:2] == kv.block_ids(1)[:2] and kv.block_ids(0)[2] != kv.block_ids(1)[2]
 
@@ -127,9 +130,9 @@ def test_fork_on_a_block_boundary_needs_no_copy():
 def test_a_table_can_grow_ahead_of_its_tokens():
     """What the contiguous-reservation baseline does (benchmarks/contiguous.py): blocks no token fills yet."""
     kv = manager()
-    slots = grants_exactly(kv, Growth([(1, [], [], 5)], [], [(1, 0, 40)]), 5)
+    slots = grants_exactly(kv, Growth([Opening(1, [], [], 5)], [], [Write(1, 0, 40)]), 5)
     assert len(slots.new_block_ids[1]) == 5
-    assert grants_exactly(kv, Growth(writes=[(1, 5, 1)]), 0).new_block_ids == {1: []}
+    assert grants_exactly(kv, Growth(writes=[Write(1, 5, 1)]), 0).new_block_ids == {1: []}
 
 
 def test_opening_on_free_cached_hits_counts_them_and_one_request_is_granted_whole():
@@ -140,10 +143,11 @@ def test_opening_on_free_cached_hits_counts_them_and_one_request_is_granted_whol
     hashes = kv.hash_tokens(prompt)
     hits = kv.find_prefix(hashes, len(prompt))
     assert len(hits) == 2 and kv.num_free == 4
-    opening = Growth([(1, hits, hashes, len(prompt)), (2, [], [], 30)], [], [(1, 2 * BS, 1), (2, 0, 30)])
+    opening = Growth([Opening(1, hits, hashes, len(prompt)), Opening(2, [], [], 30)], [],
+                     [Write(1, 2 * BS, 1), Write(2, 0, 30)])
     assert kv.allocate_slots(opening) is None, "2 hits leaving the free queue + 1 + 4 blocks > 4 free"
     assert 1 not in kv.seqs and 2 not in kv.seqs and kv.num_free == 4
-    grants_exactly(kv, Growth([(1, hits, hashes, len(prompt))], [], [(1, 2 * BS, 1)]), 3)
+    grants_exactly(kv, Growth([Opening(1, hits, hashes, len(prompt))], [], [Write(1, 2 * BS, 1)]), 3)
     assert kv.block_ids(1)[:2] == [b.block_id for b in hits]
 
 

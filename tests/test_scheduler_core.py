@@ -287,7 +287,7 @@ def test_a_new_request_goes_where_its_prefix_is_cached():
     prefix = list(range(200, 232))  # 4 blocks
     sched.add_request(request("first", prompt=prefix + [1, 2, 3], max_tokens=2))
     drive(sched, sims)
-    warm = next(wid for wid, ws in sched.workers.items() if ws.kv.pool.cached)
+    warm = next(wid for wid, ws in sched.workers.items() if ws.snapshot().cached_block_ids)
     cold = "w1" if warm == "w0" else "w0"
     sched.add_request(request("second", prompt=prefix + [4, 5], max_tokens=2))
     sched.add_request(request("other", prompt=list(range(300, 335)), max_tokens=2))
@@ -303,7 +303,7 @@ def test_queued_work_outweighs_a_short_prefix_hit():
     prefix = list(range(200, 208))  # 1 block
     sched.add_request(request("first", prompt=prefix + [1, 2], max_tokens=1))
     drive(sched, sims)
-    warm = next(wid for wid, ws in sched.workers.items() if ws.kv.pool.cached)
+    warm = next(wid for wid, ws in sched.workers.items() if ws.snapshot().cached_block_ids)
     cold = "w1" if warm == "w0" else "w0"
     sched.add_request(request("queued", prompt=list(range(400, 440)), max_tokens=4))
     assert sched.requests["queued"].worker_id == warm, "a tie goes to the first worker"
@@ -320,7 +320,7 @@ def test_re_registering_a_worker_is_a_no_op_and_a_changed_one_starts_over():
     assert sched.requests["r"].seqs, "the same registration again changes nothing"
     bigger = WorkerRegistration(reg.worker_id, reg.model_id, 128, 0, BS, 256, [EOS])
     sched.add_worker(bigger)
-    assert not sched.requests["r"].seqs and sched.workers["w0"].kv.pool.num_usable == 127
+    assert not sched.requests["r"].seqs and sched.workers["w0"].stats().num_blocks == 127
     plans = drive(sched, {"w0": SimWorker(bigger, pick)})
     assert len(plans[0].new_sequences[0].output_token_ids) == 2
 
@@ -530,11 +530,11 @@ def test_duplicate_delivery_of_a_request_is_ignored():
 # ---- the contiguous-reservation baseline (benchmarks/contiguous.py) ----------------------------
 @pytest.mark.parametrize("reserving, batch", [(False, 8), (True, 3)])
 def test_reserving_max_model_len_shrinks_the_batch(reserving, batch):
-    from benchmarks.contiguous import ReservingLookaheadScheduler
+    from benchmarks.contiguous import reserving_scheduler
 
     # 24 blocks, 8 per 64 tokens
     sched, sims = make(num_blocks=25, max_model_len=64,
-                       worker_scheduler=ReservingLookaheadScheduler if reserving else None)
+                       worker_scheduler=reserving_scheduler() if reserving else None)
     for k in range(8):
         sched.add_request(request(f"r{k}", max_tokens=8))
     peak = 0

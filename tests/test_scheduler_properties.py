@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from sched_sim import SimWorker
 from scheduler.kv_cache_manager import hash_full_blocks
 from scheduler.request import Status
-from benchmarks.contiguous import scheduler_class
+from benchmarks.contiguous import reserving_scheduler
 from scheduler.cluster import Cluster
 from shared.protocol import Request, WorkerRegistration
 from shared.sampling import SamplingParams
@@ -47,7 +47,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                             enable_prefix_caching=caching, watermark=watermark, async_scheduling=lookahead)
         # the benchmarks' contiguous-reservation baseline runs on the same core: check it too
         self.sched = Cluster(settings, epoch=7,
-                             worker_scheduler=scheduler_class(settings) if reservation == "max_model_len" else None)
+                             worker_scheduler=reserving_scheduler() if reservation == "max_model_len" else None)
         self.sims: dict[str, SimWorker] = {}
         # worker → results of the plans it has run, oldest first, not yet applied: the plans in flight
         self.pending: dict[str, list] = {}
