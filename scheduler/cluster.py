@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass, field
 
 from scheduler.beam_search import BeamSearch
+from scheduler.groups import BeamGroup
 from scheduler.request import FinishedRequest, RequestState, Status
 from scheduler.worker_scheduler import ORDER, Ids, WorkerScheduler, WorkerSchedulerFactory
 from shared.out_stream import OutOfOrder, OutputFold
@@ -102,7 +103,7 @@ class Cluster:
         self._collect(ws.ended)  # nothing in flight there will come back
         for rs in sorted(ws.requests, key=ORDER):
             rs.seqs = []
-            rs.fork_at = None
+            rs.group.released()
             rs.status = Status.WAITING
             rs.worker_id = None
             self._place(rs)
@@ -185,7 +186,8 @@ class Cluster:
         params = req.params
         if params.beam_width:  # its samples are the live beams: one to begin with (a restart begins again)
             rs = RequestState(req, next(self._order), [[]], [None],
-                              beam=BeamSearch(params.beam_width, params.length_penalty, params.early_stopping))
+                              group=BeamGroup(search=BeamSearch(params.beam_width, params.length_penalty,
+                                                                params.early_stopping)))
         else:
             rs = RequestState(req, next(self._order), [list(outputs.get(i, ())) for i in range(params.n)],
                               [reasons.get(i) for i in range(params.n)])

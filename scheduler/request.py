@@ -8,7 +8,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from scheduler.beam_search import BeamSearch, Hypothesis
+from scheduler.beam_search import Hypothesis
+from scheduler.groups import RequestGroup, SamplingGroup
 from shared.protocol import SCHEDULER_WRITER, Assignment, Request, TokenOutput
 
 
@@ -65,12 +66,11 @@ class RequestState:
     status: Status = Status.WAITING
     worker_id: str | None = None
     seqs: list[Sequence] = field(default_factory=list)  # live sequences on its worker
-    fork_at: int | None = None  # n > 1: the first sample computes the shared tokens alone, then the rest fork
     unplaced_since: float | None = None  # first time the cluster saw it with no worker
     prompt_hashes: dict[bytes, list[bytes]] = field(default_factory=dict)  # extra keys → block hashes
     uncached: int = 0  # prompt tokens its worker had not cached when it was placed there
     last_reason: str = "stop"
-    beam: BeamSearch | None = None  # a beam search: its samples are the live beams, best first
+    group: RequestGroup = field(default_factory=SamplingGroup)  # its sequences' strategy (scheduler/groups.py)
     gateway_id: str = field(init=False)  # the gateway streaming it to its client: its submitter's, or a taker's since
 
     def __post_init__(self) -> None:

@@ -9,7 +9,8 @@ One step shares a token budget (`max_num_batched_tokens`) and a sequence cap (`m
 2. then, unless the step preempted, preempted requests (earliest first), then waiting ones, each admitted
    only if its blocks fit above the watermark; waiting requests wait while a preempted one cannot resume.
 A request's samples (n > 1) share its prompt: the first computes it alone, then the others fork from it
-and share its blocks, copying a block on their first write into it (copy-on-write). Plans are deltas
+and share its blocks, copying a block on their first write into it (copy-on-write); its group (scheduler/groups.py:
+samples, or a beam search's beams) says what its next chunks are and what a step's result does to it. Plans are deltas
 against what the worker holds (shared/protocol.py: StepPlan); a sequence's `num_computed` counts the
 tokens of plans sent, and a step's result commits them (prefix-cache index) and appends its tokens.
 
@@ -24,9 +25,10 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Callable, NamedTuple
+from typing import Callable
 
 from scheduler.beam_search import Hypothesis
+from scheduler.groups import Chunk
 from scheduler.kv_cache_manager import Growth, KVCacheManager, Opening, Slots, Write
 from scheduler.pacing import Lookahead, Synchronous
 from scheduler.request import FinishedRequest, RequestState, Sequence, Status
@@ -34,17 +36,9 @@ from scheduler.reservation import OnDemand, Reservation
 from shared.protocol import (
     FAILED, NewSequence, ScheduledSequence, StepPlan, StepResult, WorkerRegistration, WorkerStats,
 )
-from shared.sampling import finish_reason
 from shared.settings import Settings
 
 ORDER = attrgetter("order")
-
-
-class Chunk(NamedTuple):
-    """A sequence's tokens to compute in a step being built."""
-    seq: Sequence
-    num_new: int
-    emits_token: bool  # they reach the sequence's end: the worker samples a token
 
 
 @dataclass(slots=True)
@@ -183,8 +177,7 @@ class WorkerScheduler:
     def _schedule_running(self, rs: RequestState, step: StepBuilder, admitting: bool = False) -> None:
         """Schedule the request's next chunks; while the cache has no room for them, preempt the latest-
         arrived running request (while `admitting`, run those of its samples that fit)."""
-        if rs.fork_at is not None:
-            self._fork_if_due(rs)
+        rs.group.prepare(self, rs)
         chunks = self._chunks(rs, step)
         while chunks:
             slots = self.kv.allocate_slots(Growth(writes=_writes(chunks)))
@@ -199,7 +192,7 @@ class WorkerScheduler:
                     chunks.pop()
                     continue
                 if not admitting:  # alone, it holds every used block and still needs more
-                    self.finish(rs, "length", beams=rs.beam and rs.beam.cut_short(rs.req.params.n, rs.outputs))
+                    self.finish(rs, "length", beams=rs.group.cut_short(rs))
                 return
             victim = self.running[-1]
             self._preempt(victim, step)
@@ -207,19 +200,8 @@ class WorkerScheduler:
                 return
 
     def _chunks(self, rs: RequestState, step: StepBuilder) -> list[Chunk]:
-        """Each sequence's tokens for this step, within what is left of the budget and the cap."""
-        chunks = []
-        budget, seqs_left = step.budget, step.seqs_left
-        for seq in rs.seqs:
-            if budget == 0 or seqs_left == 0:
-                break
-            left = self._target(rs, seq) - seq.num_computed
-            num_new = min(left, budget)
-            if num_new > 0:
-                chunks.append(Chunk(seq, num_new, num_new == left and rs.fork_at is None and rs.beam is None))
-                budget -= num_new
-                seqs_left -= 1
-        return chunks
+        """The request's next chunks, as its group takes them, within what is left of the budget and the cap."""
+        return rs.group.chunks(rs, step.budget, step.seqs_left, self.pacing)
 
     def _add(self, rs: RequestState, chunks: list[Chunk], slots: Slots, step: StepBuilder) -> None:
         """Put the chunks, on the blocks `slots` granted them, into the plan."""
@@ -251,18 +233,12 @@ class WorkerScheduler:
             step.budget -= num_new
             step.seqs_left -= 1
 
-    def _fork_if_due(self, rs: RequestState) -> None:
-        """n > 1: once the first sample has the shared tokens, the others fork from it, sharing its blocks up
-        to the fork point (copy-on-write on first write), each going on with its own tokens."""
-        if rs.seqs[0].num_computed != rs.fork_at:
-            return
-        parent = rs.seqs[0]
-        for i in rs.live_samples[1:]:
-            child = Sequence(next(self.ids.seqs), i, num_computed=rs.fork_at, fork_of=parent)
-            self.kv.fork(parent.seq_id, child.seq_id, rs.fork_at)
-            rs.seqs.append(child)
-        rs.fork_at = None
-        self.reservation.forked(self, rs)
+    def fork(self, parent: Sequence, sample_index: int, num_tokens: int) -> Sequence:
+        """A new sequence for the sample, sharing the parent's blocks of its first `num_tokens` (copy-on-write on
+        its first write into one)."""
+        child = Sequence(next(self.ids.seqs), sample_index, num_computed=num_tokens, fork_of=parent)
+        self.kv.fork(parent.seq_id, child.seq_id, num_tokens)
+        return child
 
     def _preempt(self, rs: RequestState, step: StepBuilder) -> None:
         self.running.remove(rs)
@@ -282,12 +258,12 @@ class WorkerScheduler:
     def _release(self, rs: RequestState) -> None:
         """Free every block of the request's sequences; the worker forgets those it knows."""
         for seq in rs.seqs:
-            self._drop(seq)
+            self.drop(seq)
         rs.seqs = []
-        if rs.beam is not None:
-            rs.beam.reported = {}  # every live beam reports again once it runs again
+        rs.group.released()
 
-    def _drop(self, seq: Sequence) -> None:
+    def drop(self, seq: Sequence) -> None:
+        """Free the sequence's blocks; the worker forgets it if it knows it."""
         self.kv.free(seq.seq_id)
         if seq.sent:
             self.to_forget.append(seq.seq_id)
@@ -311,34 +287,33 @@ class WorkerScheduler:
 
     def _admit(self, rs: RequestState, step: StepBuilder) -> bool:
         """Start a waiting or recompute-preempted request: prompt + output so far, on its prefix hits."""
-        live = rs.live_samples
-        if not self._room_for(step, len(live)) or not self.reservation.admits(self, rs, self._keep_free()):
+        if not self._room_for(step, len(rs.live_samples)) or not self.reservation.admits(self, rs, self._keep_free()):
             return False
-        fork_at = rs.fork_point()
+        start = rs.group.start(rs)
         prompt_hashes = self._prompt_hashes(rs)
         opens = []
         seqs: list[Sequence] = []
         chunks: list[Chunk] = []
         budget, seqs_left = step.budget, step.seqs_left
-        for i in live if fork_at is None else live[:1]:
+        for i in start.samples:
             tokens = rs.tokens(i)
-            end = len(tokens) if fork_at is None else fork_at
+            end = len(tokens) if start.shared_end is None else start.shared_end
             hashes = self.kv.hash_tokens(tokens, prompt_hashes) if rs.outputs[i] else prompt_hashes
             # The prompt logprobs asked for come from computing every prompt position: no prefix hit then.
             fresh = rs.req.params.prompt_logprobs is not None and not rs.outputs[i]
-            hits = [] if fresh else self.kv.find_prefix(hashes, end + (fork_at is not None))
+            hits = [] if fresh else self.kv.find_prefix(hashes, end + (start.shared_end is not None))
             seq = Sequence(next(self.ids.seqs), i, num_computed=len(hits) * self.kv.block_size)
             seqs.append(seq)
             opens.append(Opening(seq.seq_id, hits, hashes, len(tokens)))
             num_new = min(end - seq.num_computed, budget) if seqs_left else 0
             if num_new > 0:
-                chunks.append(Chunk(seq, num_new, seq.num_computed + num_new == len(tokens) and rs.beam is None))
+                chunks.append(Chunk(seq, num_new, seq.num_computed + num_new == len(tokens) and start.samples_tokens))
                 budget -= num_new
                 seqs_left -= 1
         slots = self.kv.allocate_slots(Growth(opens, (), _writes(chunks)), self._keep_free())
         if slots is None:
             return False
-        rs.seqs, rs.fork_at = seqs, fork_at
+        rs.seqs = seqs
         self._start_running(rs, step, chunks, slots)
         self.reservation.started(self, rs)
         return True
@@ -396,7 +371,7 @@ class WorkerScheduler:
             self.kv.commit(c.seq.seq_id, c.rs.prompt, c.rs.outputs[c.seq.sample_index], c.start + c.num_new)
             if c.emits_token:
                 emitting[(c.rs.rid, c.seq.sample_index)] = c
-            elif c.rs.beam is not None and c.start + c.num_new == c.rs.num_tokens(c.seq):
+            elif c.rs.group.reports(c.rs, c.seq, c.start + c.num_new):
                 reporting[c.seq.seq_id] = c
         for out in result.outputs:
             if out.sample_index < 0:  # the worker could not run this request's sequences
@@ -409,69 +384,17 @@ class WorkerScheduler:
                     or out.output_index != len(c.rs.outputs[out.sample_index])):
                 continue
             self.pacing.token_arrived(c.seq)
-            self._append_token(c.rs, c.seq, out.token_id)
+            c.rs.group.token(self, c.rs, c.seq, out.token_id)
         for beams in result.beams:
             c = reporting.pop(beams.seq_id, None)
             if c is not None and c.rs.status is Status.RUNNING:
-                c.rs.beam.reported[c.seq.sample_index] = beams.top
-                if len(c.rs.beam.reported) == len(c.rs.outputs):
-                    self._advance_beams(c.rs)
+                c.rs.group.candidates(self, c.rs, c.seq, beams.top)
         for c in [*emitting.values(), *reporting.values()]:
             # The worker samples every sequence a plan asks it to and skips only those it saw end, as the
             # scheduler does: a token missing here means the two disagree, and sampling again could loop.
             if c.rs.status is Status.RUNNING:
                 self.finish(c.rs, "error", f"worker {self.worker_id} returned no token for sample "
                                            f"{c.seq.sample_index} in step {result.step_id}", FAILED)
-
-    def _advance_beams(self, rs: RequestState) -> None:
-        """Every live beam reported: keep the best continuations (scheduler/beam_search.py). A beam that goes on
-        in several ways forks its sequence (its blocks shared, copy-on-write); one that does not is freed."""
-        params, reg, search = rs.req.params, self.reg, rs.beam
-        stops = params.stop_tokens(reg.eos_token_ids)
-        max_new = min(params.max_tokens, reg.max_model_len - len(rs.prompt))
-
-        def stop_reason(token: int, length: int) -> str | None:
-            return "stop" if token in stops else "length" if length >= max_new else None
-        if search.num_generated + 1 < params.min_tokens:  # stop tokens are not candidates yet (the worker sent
-            # one more candidate per stop token for this)
-            search.reported = {b: [(t, lp) for t, lp in top if t not in stops] for b, top in search.reported.items()}
-        going = search.step(rs.outputs, params.beam_candidates(reg.eos_token_ids), max_new, stop_reason)
-        if search.done:
-            best = search.best(params.n)
-            self.finish(rs, best[0].finish_reason if best else "length", beams=best)
-            return
-        parents = {seq.sample_index: seq for seq in rs.seqs}
-        seqs = []
-        for index, c in enumerate(going):
-            parent = parents[c.parent]
-            if parent in seqs:
-                seq = Sequence(next(self.ids.seqs), index, parent.num_computed, fork_of=parent)
-                self.kv.fork(parent.seq_id, seq.seq_id, parent.num_computed)
-            else:
-                seq = parent
-                seq.sample_index = index
-                seq.appended.append(c.token)
-            seqs.append(seq)
-        for seq in parents.values():
-            if seq not in seqs:
-                self._drop(seq)
-        rs.outputs = [rs.outputs[c.parent] + [c.token] for c in going]
-        rs.reasons = [None] * len(going)
-        rs.seqs = seqs
-
-    def _append_token(self, rs: RequestState, seq: Sequence, token_id: int) -> None:
-        output = rs.outputs[seq.sample_index]
-        output.append(token_id)
-        reason = finish_reason(rs.req.params, output, len(rs.prompt) + len(output), self.reg.max_model_len,
-                               self.reg.eos_token_ids)
-        if reason is None:
-            return
-        self.kv.free(seq.seq_id)
-        self.to_forget.append(seq.seq_id)
-        rs.seqs.remove(seq)
-        rs.reasons[seq.sample_index] = rs.last_reason = reason
-        if rs.done:
-            self.finish(rs, reason)
 
     # ---- ending ---------------------------------------------------------------------------
     def finish(self, rs: RequestState, reason: str, error: str | None = None, error_kind: str | None = None,
@@ -495,11 +418,6 @@ class WorkerScheduler:
         done = [f for f in self.ended if f.rid not in carried]
         self.ended = [f for f in self.ended if f.rid in carried]
         return done
-
-    def _target(self, rs: RequestState, seq: Sequence) -> int:
-        """The tokens the sequence's KV should cover: the shared ones while its request forks, else all (and, for
-        a lookahead, those in flight)."""
-        return self.pacing.target(rs, seq, rs.fork_at if rs.fork_at is not None else rs.num_tokens(seq))
 
 
 # How a cluster makes each worker's scheduler: WorkerScheduler itself, or one given another reservation.
