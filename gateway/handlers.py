@@ -45,8 +45,12 @@ class Tokenizing:
 
     async def run(self, raw: bytes, handle: Callable[[Any, ServedModel], Any], model: ServedModel) -> Any:
         """`handle(body, model)` over the JSON body `raw`, in the lane its size picks."""
-        lane = self.small if len(raw) <= SMALL_BODY_BYTES else self.large
-        return await asyncio.get_running_loop().run_in_executor(lane, _handle_json, raw, handle, model)
+        return await self.call(len(raw), _handle_json, raw, handle, model)
+
+    async def call(self, size: int, work: Callable[..., Any], *args: Any) -> Any:
+        """`work(*args)` for a body of `size` bytes, in the lane that size picks."""
+        lane = self.small if size <= SMALL_BODY_BYTES else self.large
+        return await asyncio.get_running_loop().run_in_executor(lane, work, *args)
 
     def shutdown(self) -> None:
         for lane in (self.small, self.large):

@@ -41,11 +41,14 @@ class Planned:
     call: GenerateCall
 
 
-def plan(body: Any, model: ServedModel, earlier: list[dict[str, Any]] | None = None) -> Planned:
-    """The request and its chat call; `earlier` None: the request continues no stored conversation."""
-    req = responses_api.parse(body)
+def plan(body: Any, model: ServedModel, earlier: list[dict[str, Any]]) -> Planned:
+    """The request and its chat call, continuing the stored conversation `earlier`."""
+    return plan_request(responses_api.parse(body), model, earlier)
+
+
+def plan_request(req: ResponsesRequest, model: ServedModel, earlier: list[dict[str, Any]]) -> Planned:
     try:
-        chat = request_model.parse_chat(responses_api.chat_body(req, earlier or []), model.name, model.vocab_size)
+        chat = request_model.parse_chat(responses_api.chat_body(req, earlier), model.name, model.vocab_size)
         return Planned(req, calls.chat_call(chat, model))
     except ApiError as e:
         raise responses_api.relabel(e) from None
@@ -131,7 +134,7 @@ async def create(request: web.Request) -> web.StreamResponse:
         return await _replay(request, position.call_id, position)
     req = await _run(request, raw, parse_only)
     earlier = await _conversation(request, req.previous_response_id) if req.previous_response_id else []
-    planned = await _run(request, raw, lambda body, model: plan(body, model, earlier))
+    planned = await request.app[TOKENIZING].call(len(raw), plan_request, req, gw.model, earlier)  # parsed once
     call = planned.call
     await gw.admit(call)
     response_id = ID_PREFIX + uuid.uuid4().hex

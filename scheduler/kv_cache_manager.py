@@ -77,6 +77,12 @@ class WriteSpan(NamedTuple):
     grow: int
 
 
+class Needed(NamedTuple):
+    """What granting a growth takes: free blocks at most, and each write's span (in the growth's order)."""
+    blocks: int
+    spans: list[WriteSpan]
+
+
 @dataclass(slots=True)
 class Growth:
     """What one request asks of the cache in one step; `allocate_slots` grants all of it or nothing. (Its parts
@@ -172,7 +178,8 @@ class KVCacheManager:
         written sequence's table cover num_computed + num_new tokens, copying any shared block the new
         tokens write into first. None, with nothing changed, when it would leave fewer than `keep_free`
         blocks free."""
-        if self._blocks_needed(growth) + keep_free > self.pool.num_free:
+        needed = self._blocks_needed(growth)
+        if needed.blocks + keep_free > self.pool.num_free:
             return None
         for opening in growth.opens:
             self.pool.touch(opening.hits)
@@ -183,10 +190,9 @@ class KVCacheManager:
         copies: list[tuple[int, int]] = []
         rewritten: set[int] = set()
         swapped = self._swap_in(growth.swap_in) if growth.swap_in else ()
-        for write in growth.writes:
+        for write, span in zip(growth.writes, needed.spans):
             seq_id = write.seq_id
             table = self.seqs[seq_id].table
-            span = self.span(len(table), write)
             for i in range(span.first, span.stop):
                 block = table[i]
                 if block.ref_cnt > 1:
@@ -204,9 +210,10 @@ class KVCacheManager:
                 new_block_ids[seq_id] = []
         return Slots(new_block_ids, copies, rewritten, swapped)
 
-    def _blocks_needed(self, growth: Growth) -> int:
+    def _blocks_needed(self, growth: Growth) -> Needed:
         """Free blocks that granting `growth` takes at most: free cached hits leaving the queue, swapped
-        blocks coming back, growth, and one copy per writer of a shared block while other holders remain."""
+        blocks coming back, growth, and one copy per writer of a shared block while other holders remain; with
+        each write's span, which granting it walks again."""
         need = 0
         opened: dict[int, list[Block]] = {}
         if growth.opens:
@@ -216,17 +223,21 @@ class KVCacheManager:
             need += self._distinct([self.swapped[s].table for s in growth.swap_in])
         writers: dict[int, int] = {}  # shared block id → its writers
         shared: dict[int, Block] = {}
+        spans = []
         for write in growth.writes:
             seq_id = write.seq_id
             table = opened[seq_id] if seq_id in opened else (self.seqs.get(seq_id) or self.swapped[seq_id]).table
             span = self.span(len(table), write)
+            spans.append(span)
             need += span.grow
             for i in range(span.first, span.stop):
                 block = table[i]
                 if block.ref_cnt > 1:
                     writers[block.block_id] = writers.get(block.block_id, 0) + 1
                     shared[block.block_id] = block
-        return need + sum(min(n, shared[b].ref_cnt - 1) for b, n in writers.items()) if writers else need
+        if writers:
+            need += sum(min(n, shared[b].ref_cnt - 1) for b, n in writers.items())
+        return Needed(need, spans)
 
     def free(self, seq_id: int) -> None:
         seq = self.seqs.pop(seq_id, None)
