@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2_E = 1.4426950408889634
+LOG2_E = tl.constexpr(1.4426950408889634)  # a plain global does not compile outside the interpreter
 
 
 @triton.jit
