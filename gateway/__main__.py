@@ -8,6 +8,7 @@ from gateway.app import run
 from shared.log import setup_logging
 from shared.model_dir import ModelDirError
 from shared.settings import Settings, SettingsError
+from shared.tenants import TenantError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("gateway", settings.log_level)
     try:
         return run(settings)
-    except ModelDirError as e:
+    except (ModelDirError, TenantError) as e:
         print(f"gateway: {e}", file=sys.stderr)
         return 2
 

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
+import contextlib
 import logging
 import re
 import uuid
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 from aiohttp.web_log import AccessLogger
@@ -20,8 +20,9 @@ from gateway.calls import GenerateCall
 from gateway.errors import ApiError
 from gateway.formats import ChatFormat, CompletionFormat
 from gateway.handlers import (
-    GATEWAY, TOKENIZING, Tokenizing, api_keys, begin, call_log, given_key, read_body, request_id, too_large,
+    GATEWAY, TENANT, TOKENIZING, Tokenizing, begin, call_log, given_key, read_body, request_id, too_large,
 )
+from gateway.keys import KeyRing
 from gateway.metrics import CONTENT_TYPE
 from gateway.model import ServedModel
 from gateway.serving import BUS_ERRORS, REQUEST_ID, Gateway, Generation
@@ -89,14 +90,13 @@ def _error(request: web.Request, e: ApiError) -> web.Response:
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Callable) -> web.StreamResponse:
     """With API keys set, every route but health, metrics and the dashboard's page and files (which hold no data)
-    needs one of them, as `Authorization: Bearer <key>` (or `x-api-key: <key>`)."""
-    keys = api_keys(request.app[GATEWAY].settings)
-    if keys and request.path not in OPEN_PATHS and not request.path.startswith(STATIC_PREFIX):
-        given = given_key(request).encode()
-        # every key compared, so that the time taken says nothing about which one came close
-        if not sum(hmac.compare_digest(given, k.encode()) for k in keys):
-            raise ApiError(401, "missing or invalid API key: send `Authorization: Bearer <key>`",
-                           code="invalid_api_key")
+    needs one of them, as `Authorization: Bearer <key>` (or `x-api-key: <key>`); the key names the call's tenant."""
+    if request.path in OPEN_PATHS or request.path.startswith(STATIC_PREFIX):
+        return await handler(request)
+    tenant = request.app[GATEWAY].keys.tenant(given_key(request))
+    if tenant is None:
+        raise ApiError(401, "missing or invalid API key: send `Authorization: Bearer <key>`", code="invalid_api_key")
+    request[TENANT] = tenant
     return await handler(request)
 
 
@@ -202,6 +202,15 @@ async def _on_startup(app: web.Application) -> None:
     gw.spawn(asyncio.to_thread(gw.model.tokenizer.warm_up))
 
 
+async def _watching_keys(app: web.Application) -> AsyncIterator[None]:
+    """The keys file read again on SIGHUP and when it changes, for as long as the app runs."""
+    task = asyncio.get_running_loop().create_task(app[GATEWAY].keys.watch())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
 async def _on_cleanup(app: web.Application) -> None:
     gw = app[GATEWAY]
     for task in gw.releases:  # a stopping gateway's streams wait out their grace at the scheduler
@@ -229,6 +238,7 @@ def build_app(gw: Gateway) -> web.Application:
     responses_routes.add_routes(app)
     messages_routes.add_routes(app)
     app.on_startup.append(_on_startup)
+    app.cleanup_ctx.append(_watching_keys)
     add_dashboard(app, gw)
     app.on_cleanup.append(_on_cleanup)
     return app
@@ -241,7 +251,7 @@ async def create_app(settings: Settings, model: ServedModel | None = None) -> we
     log.info("serving %s (max_model_len %d) from %s", model.name, model.max_model_len, model.path)
     bus = Bus(settings.redis_url, settings.redis_max_connections, settings.heartbeat_ttl)
     admission = Admission(settings.max_waiting_requests, settings.max_call_tokens)
-    return build_app(Gateway(settings, model, bus, admission))
+    return build_app(Gateway(settings, model, bus, admission, KeyRing(settings)))
 
 
 def run(settings: Settings) -> int:

@@ -59,6 +59,8 @@ class GenerateCall:
     user: str | None = None
     tool_format: CallFormat | None = None  # chat with tools it may call: how the answers' calls are read
     named_tool: bool = False  # tool_choice named the function: its call ends the choice as `stop` (OpenAI's)
+    priority: int = 0  # lower runs first (the priority policy)
+    cache_salt: str = ""
 
     @property
     def work(self) -> int:
@@ -144,7 +146,8 @@ def _call(model: ServedModel, prompts: list[Prompt], params: SamplingParams, cho
     return GenerateCall(model.name, tuple(prompts), params, choices, ranked, logprobs, s.prompt_logprobs, echo,
                         echo_logprobs, hide_output, s.stop, s.include_stop_str_in_output, s.skip_special_tokens,
                         s.stream, s.include_usage, s.continuous_usage_stats, s.return_token_ids,
-                        s.return_tokens_as_token_ids, response_role, prompt_text, user, tool_format, named_tool)
+                        s.return_tokens_as_token_ids, response_role, prompt_text, user, tool_format, named_tool,
+                        s.priority, s.cache_salt)
 
 
 def _params(s: Sampling, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,

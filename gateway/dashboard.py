@@ -15,6 +15,7 @@ import base64
 import dataclasses
 import json
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import Histogram
 
-from gateway.metrics import Metrics
+from gateway.metrics import FAST_BUCKETS, Metrics
 from gateway.serving import BUS_ERRORS, Gateway, bus_unavailable
 from gateway.bus import decode_or_none
 from shared.protocol import BLOCK_MOVING, BLOCK_STATES, CacheSnapshot
@@ -57,14 +58,13 @@ def histogram_quantile(q: float, bounds: list[float], counts: list[float]) -> fl
     return lower + (bounds[i] - lower) * (rank - below) / (counts[i] - below)
 
 
-def _buckets(hist: Histogram) -> tuple[list[float], list[float]]:
-    """(upper bounds, cumulative counts) of a histogram without labels."""
-    bounds, counts = [], []
+def _buckets(hist: Histogram, bounds: list[float]) -> list[float]:
+    """The cumulative counts of a histogram at its upper `bounds`, summed over its tenants."""
+    counts = dict.fromkeys(bounds, 0.0)
     for sample in hist.collect()[0].samples:
-        if sample.name.endswith("_bucket"):
-            bounds.append(float(sample.labels["le"]))
-            counts.append(sample.value)
-    return bounds, counts
+        if sample.name.endswith("_bucket") and (le := float(sample.labels["le"])) in counts:
+            counts[le] += sample.value
+    return list(counts.values())
 
 
 @dataclass(slots=True)
@@ -82,7 +82,7 @@ class GatewayHistory:
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
         self.recent: deque[_Sample] = deque(maxlen=QUANTILE_WINDOW)  # the samples a new point is measured against
-        self.bounds = {"ttft": _buckets(metrics.ttft)[0], "tpot": _buckets(metrics.tpot)[0]}
+        self.bounds = {"ttft": [*FAST_BUCKETS, math.inf], "tpot": [*FAST_BUCKETS, math.inf]}
         names = ["time", "requests_per_s"] + [f"{n}_p{round(q * 100)}" for n in self.bounds for q in QUANTILES]
         self.points: dict[str, deque] = {name: deque(maxlen=HISTORY_LEN) for name in names}
 
@@ -90,7 +90,8 @@ class GatewayHistory:
         """Per sample after the first, a point: its time, requests/s since the one before, and TTFT and TPOT
         quantiles over the requests of the last QUANTILE_WINDOW samples (None where there were none)."""
         m = self.metrics
-        new = _Sample(now, _buckets(m.e2e)[1][-1], _buckets(m.ttft)[1], _buckets(m.tpot)[1])
+        new = _Sample(now, _buckets(m.e2e, [math.inf])[-1], _buckets(m.ttft, self.bounds["ttft"]),
+                      _buckets(m.tpot, self.bounds["tpot"]))
         if self.recent:
             before, window = self.recent[-1], self.recent[0]
             self.points["time"].append(new.time)

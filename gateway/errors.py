@@ -29,3 +29,12 @@ class ApiError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
+
+
+def rate_limited(message: str, wait_s: float) -> ApiError:
+    """A 429 advising a wait, in whole seconds (Retry-After) and in milliseconds (retry-after-ms, as OpenAI's API
+    sends it), the seconds rounded up from the same milliseconds so that the two never disagree."""
+    wait_ms = round(wait_s * 1000)
+    return ApiError(429, f"{message}; retry in {wait_ms / 1000:.1f} s", type="rate_limit_error",
+                    code="too_many_requests",
+                    headers={"Retry-After": str(-(-wait_ms // 1000)), "retry-after-ms": str(wait_ms)})

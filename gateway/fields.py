@@ -83,10 +83,12 @@ _SAMPLING = (
     _refused("bad_words", VLLM, "not served", []),
     _refused("watermarking", VLLM, "no watermark is configured", False),
     _honoured("structured_outputs", VLLM, "see the structured_outputs table; " + CONSTRAINED),
-    _refused("priority", VLLM, "one priority for all requests yet", 0),
+    _honoured("priority", VLLM, "lower runs first (default 0); needs `--scheduling-policy priority` (else only 0), "
+              "and no more urgent than the API key's tenant may ask for (its `max_priority`)"),
     _refused("request_id", VLLM, "ids are the gateway's (send an `X-Request-Id` header to name a call in the logs)"),
     _refused("session_id", VLLM, "no session routing"),
-    _refused("cache_salt", VLLM, "one prefix cache for all requests yet"),
+    _honoured("cache_salt", VLLM, "a non-empty string: prompts share prefix-cache blocks only with requests of the "
+              "same tenant and the same salt (a tenant's requests are salted with it already)"),
     _refused("kv_transfer_params", VLLM, "no disaggregated prefill"),
     _refused("ec_transfer_params", VLLM, "no encoder cache"),
     _refused("vllm_xargs", VLLM, "no extension arguments"),
@@ -209,7 +211,8 @@ DETOKENIZE = _table(
 
 # vLLM's Responses request takes these fields of its chat request, meaning the same: they go on to the chat call.
 RESPONSES_FROM_CHAT = ("top_k", "seed", "stop", "repetition_penalty", "ignore_eos", "skip_special_tokens",
-                       "include_stop_str_in_output", "logit_bias", "structured_outputs", "chat_template_kwargs")
+                       "include_stop_str_in_output", "logit_bias", "structured_outputs", "chat_template_kwargs",
+                       "priority", "cache_salt")
 
 
 def _as_chat(by: str, *names: str) -> tuple[Field, ...]:
@@ -253,7 +256,7 @@ RESPONSES = _table(
     _refused("access_programs", OPENAI, "no access programs"),
     _refused("image", OPENAI, "text models only"),
     *_as_chat(VLLM, *RESPONSES_FROM_CHAT, "request_id", "session_id", "media_io_kwargs", "mm_processor_kwargs",
-              "priority", "cache_salt", "vllm_xargs", "kv_transfer_params", "ec_transfer_params"),
+              "vllm_xargs", "kv_transfer_params", "ec_transfer_params"),
     _refused("enable_response_messages", VLLM, "harmony (gpt-oss) messages only", False),
     _refused("previous_input_messages", VLLM, "harmony (gpt-oss) messages only: send `input` items"),
 )
@@ -295,6 +298,7 @@ MESSAGES = _table(
               "block's start, deltas and stop, message_delta, message_stop"),
     _honoured("temperature", ANTHROPIC, "0-1; 0 is greedy"),
     _honoured("top_p", ANTHROPIC, "(0, 1]"),
+    _honoured("priority", VLLM, "as chat's: lower runs first, under `--scheduling-policy priority`"),
     _honoured("top_k", ANTHROPIC, "only the k likeliest tokens; 0 = off"),
     _honoured("tool_choice", ANTHROPIC, "see the tool_choice table; auto is the default with tools (text, or calls "
               "kept valid once opened); calls are constrained to the tools' schemas"),

@@ -72,6 +72,7 @@ class RequestTracker:
         self.log = logger
         self.error: str | None = None
         self.error_kind: str | None = None
+        self.retry_after: float | None = None  # with error_kind OVERLOADED
         self.ended_on_bus = False  # the scheduler ended the whole request (error, abort, or cache outgrown)
         self.started = False  # a first token arrived
         self.num_cached_tokens = 0  # prompt tokens the worker found in its prefix cache
@@ -107,6 +108,7 @@ class RequestTracker:
             if out.finish_reason == "error":
                 self.error = out.error or "the request failed"
                 self.error_kind = out.error_kind
+                self.retry_after = out.retry_after
                 return []
             reason = out.finish_reason or "abort"
             return [self._end(i, "", reason) for i, s in enumerate(self.samples) if s.finish_reason is None]

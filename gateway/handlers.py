@@ -19,12 +19,13 @@ from gateway.model import ServedModel
 from gateway.records import CallRecord, owner
 from gateway.resume import LAST_EVENT_ID, Position
 from gateway.serving import BUS_ERRORS, REQUEST_ID, CallLog, Gateway, Origin, bus_unavailable
-from shared.settings import Settings
+from shared.tenants import Tenant
 
 log = logging.getLogger("gateway.app")
 
 
 GATEWAY = web.AppKey("gateway", Gateway)
+TENANT = web.RequestKey("tenant", Tenant)  # the call's, from its API key (the auth middleware's)
 
 # The gateway decodes a compressed body itself (aiohttp's own decoding answers a bad one in its own format, or
 # not at all): gzip or zlib-wrapped deflate, told apart by their headers.
@@ -89,13 +90,9 @@ def given_key(request: web.Request) -> str:
     return request.headers.get("x-api-key", "").strip()
 
 
-def api_keys(settings: Settings) -> list[str]:
-    return [k for k in (part.strip() for part in settings.api_key.split(",")) if k]
-
-
 def owner_of(request: web.Request) -> str:
     """Whose the call's stored streams and responses are: its API key's (all one owner where the server has none)."""
-    return owner(given_key(request) if api_keys(request.app[GATEWAY].settings) else None)
+    return owner(given_key(request) if request.app[GATEWAY].keys.keys.required else None)
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:
@@ -143,14 +140,14 @@ async def begin(request: web.Request, plan: Callable[[Any, ServedModel], Generat
     raw = await read_body(request, gw.settings.max_body_bytes)
     last = request.headers.get(LAST_EVENT_ID)
     if last is None:
-        origin = Origin(CallRecord(request.path, raw, owner_of(request), int(received)))
+        origin = Origin(CallRecord(request.path, raw, owner_of(request), int(received)), tenant=request[TENANT])
     else:
         origin = await _resumed(request, Position.parse(last), raw)
     call = await request.app[TOKENIZING].run(origin.record.body, plan, gw.model)
     if origin.resume is None:
         if call.user is not None:
             call_log(request).info("for user %r", call.user)
-        await gw.admit(call)
+        await gw.admit(call, request[TENANT])
     elif not call.stream:
         raise bad_request(f"`{LAST_EVENT_ID}` picks up a stream; this call has `stream` false", param=LAST_EVENT_ID)
     else:

@@ -279,7 +279,7 @@ def _sampling(body: Body) -> dict[str, Any]:
     stops = body.raw.get("stop_sequences")
     if stops is not None and not (isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)):
         raise bad_request("`stop_sequences` must be an array of non-empty strings", param="stop_sequences")
-    chat = {name: body.raw[name] for name in ("temperature", "top_p", "top_k", "stream") if body.has(name)}
+    chat = {name: body.raw[name] for name in ("temperature", "top_p", "top_k", "stream", "priority") if body.has(name)}
     return chat | ({"stop": stops} if stops else {})
 
 

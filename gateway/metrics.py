@@ -1,7 +1,9 @@
 """Prometheus metrics: the gateway's own counters and latency histograms, plus the scheduler's snapshot.
 
 Queue time is measured from the moment a request enters the bus to its first token, so it includes
-the first prefill step: the bus carries no scheduling timestamp back to the gateway.
+the first prefill step: the bus carries no scheduling timestamp back to the gateway. Requests' counters and
+histograms carry a `tenant` label: the keys file's tenants (at most shared/tenants.py's MAX_TENANTS), or
+`default`.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from typing import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from shared.protocol import SchedulerStats, WorkerStats
+from shared.protocol import SchedulerStats, TenantStats, WorkerStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 FAST_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -41,6 +43,11 @@ class SchedulerCollector:
             for w in s.workers:
                 metric.add_metric([w.worker_id], value(w))
             yield metric
+        for name, doc, value in PER_TENANT:
+            metric = GaugeMetricFamily(name, doc, labels=["tenant"])
+            for t in s.tenants:
+                metric.add_metric([t.tenant], value(t))
+            yield metric
 
 
 # Per worker, from the scheduler's snapshot: (name, family, help, value).
@@ -62,23 +69,33 @@ PER_WORKER: list[tuple[str, type, str, Callable[[WorkerStats], float]]] = [
 ]
 
 
+# Per tenant, across the cluster, from the scheduler's snapshot: (name, help, value).
+PER_TENANT: list[tuple[str, str, Callable[[TenantStats], float]]] = [
+    ("pagedserve_tenant_waiting_requests", "requests of the tenant not admitted yet", lambda t: t.waiting),
+    ("pagedserve_tenant_running_sequences", "sequences of the tenant running", lambda t: t.running_seqs),
+    ("pagedserve_tenant_tokens_last_minute", "prompt and generated tokens computed for the tenant in the last "
+     "minute: its share of the capacity", lambda t: t.tokens_last_minute),
+]
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.prompt_tokens = Counter("pagedserve_prompt_tokens", "prompt tokens submitted", registry=r)
-        self.generation_tokens = Counter("pagedserve_generation_tokens", "tokens generated and received",
+        tenant = ["tenant"]
+        self.prompt_tokens = Counter("pagedserve_prompt_tokens", "prompt tokens submitted", tenant, registry=r)
+        self.generation_tokens = Counter("pagedserve_generation_tokens", "tokens generated and received", tenant,
                                          registry=r)
         self.finished = Counter("pagedserve_request_finished", "choices ended, by finish reason",
-                                ["finish_reason"], registry=r)
+                                ["finish_reason", "tenant"], registry=r)
         self.ttft = Histogram("pagedserve_time_to_first_token_seconds", "HTTP request received to first token",
-                              buckets=FAST_BUCKETS, registry=r)
+                              tenant, buckets=FAST_BUCKETS, registry=r)
         self.tpot = Histogram("pagedserve_time_per_output_token_seconds", "mean gap between a request's tokens "
-                              "after the first", buckets=FAST_BUCKETS, registry=r)
+                              "after the first", tenant, buckets=FAST_BUCKETS, registry=r)
         self.e2e = Histogram("pagedserve_e2e_request_latency_seconds", "HTTP request received to last token",
-                             buckets=SLOW_BUCKETS, registry=r)
+                             tenant, buckets=SLOW_BUCKETS, registry=r)
         self.queue = Histogram("pagedserve_request_queue_time_seconds", "request entering the bus to its "
-                               "first token", buckets=SLOW_BUCKETS, registry=r)
+                               "first token", tenant, buckets=SLOW_BUCKETS, registry=r)
         self.waiting = Gauge("pagedserve_gateway_waiting_requests", "requests of this gateway without a first "
                              "token yet", registry=r)
         self.workers_alive = Gauge("pagedserve_workers_alive", "workers with a fresh heartbeat", registry=r)

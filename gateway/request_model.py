@@ -59,6 +59,8 @@ class Sampling:
     include_usage: bool
     continuous_usage_stats: bool
     user: str | None
+    priority: int  # lower runs first, under the priority policy
+    cache_salt: str  # "" unless sent: blocks are shared only between requests of one tenant and one salt
     constraint: Constraint | None  # structured outputs
     constraint_param: str | None  # the field that asked for it, for errors
 
@@ -286,7 +288,15 @@ def _sampling(body: Body, vocab_size: int) -> Sampling:
         return_tokens_as_token_ids=body.get("return_tokens_as_token_ids", bool, False),
         stream=stream, include_usage=options is not None and options.get("include_usage", bool, False),
         continuous_usage_stats=options is not None and options.get("continuous_usage_stats", bool, False),
-        user=body.get("user", str), **_constraint(body))
+        user=body.get("user", str), priority=body.get("priority", int, 0), cache_salt=_cache_salt(body),
+        **_constraint(body))
+
+
+def _cache_salt(body: Body) -> str:
+    salt = body.get("cache_salt", str, "")
+    if body.has("cache_salt") and not salt:
+        raise bad_request("`cache_salt` must be a non-empty string when sent", param="cache_salt")
+    return salt
 
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}

@@ -21,7 +21,7 @@ from gateway import calls, records, request_model, responses_api, shaped
 from gateway.calls import GenerateCall
 from gateway.errors import ApiError, bad_request
 from gateway.formats import ChatFormat
-from gateway.handlers import GATEWAY, TOKENIZING, owner_of, read_body, request_id
+from gateway.handlers import GATEWAY, TENANT, TOKENIZING, owner_of, read_body, request_id
 from gateway.model import ServedModel
 from gateway.records import ResponseRecord
 from gateway.responses_api import ResponseShape, ResponsesRequest
@@ -136,14 +136,14 @@ async def create(request: web.Request) -> web.StreamResponse:
     earlier = await _conversation(request, req.previous_response_id) if req.previous_response_id else []
     planned = await request.app[TOKENIZING].call(len(raw), plan_request, req, gw.model, earlier)  # parsed once
     call = planned.call
-    await gw.admit(call)
+    await gw.admit(call, request[TENANT])
     response_id = ID_PREFIX + uuid.uuid4().hex
     settings = gw.settings
     stored = Stored(response_id, ResponseRecord(raw, json.dumps(earlier).encode(), owner_of(request), int(received),
                                                 req.background),
                     settings.response_ttl, settings.max_stored_responses) if req.store else None
     origin = Origin(call_id=response_id, background=req.background, stored=stored, resumable=req.store,
-                    retention=settings.response_ttl if req.store else 0.0)
+                    retention=settings.response_ttl if req.store else 0.0, tenant=request[TENANT])
     generation = Generation(gw, call, ChatFormat(gw.model.tokenizer, call), received, request_id(request), origin)
     shape = ResponseShape(req, response_id, int(received), call.model)
     if req.background and not req.stream:

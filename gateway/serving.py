@@ -18,16 +18,18 @@ from redis.exceptions import RedisError
 from gateway import records, sse, tools
 from gateway.admission import Admission
 from gateway.bus import Bus, Resumable, Stored
-from gateway.errors import ApiError
+from gateway.errors import ApiError, bad_request, rate_limited
 from gateway.calls import GenerateCall
 from gateway.formats import Format, prompt_records, usage, vllm_prompt_logprobs
 from gateway.generation import Delta, RequestTracker, TokenLogprob
+from gateway.keys import KeyRing
 from gateway.metrics import Metrics
 from gateway.model import ServedModel
 from gateway.records import CallRecord
 from gateway.resume import Numbering, Position
-from shared.protocol import REJECTED, UNAVAILABLE, Assignment, Request, TokenOutput
+from shared.protocol import OVERLOADED, REJECTED, UNAVAILABLE, Assignment, Request, TokenOutput
 from shared.settings import Settings
+from shared.tenants import Tenant
 
 log = logging.getLogger(__name__)
 REQUEST_ID = "X-Request-Id"
@@ -38,10 +40,11 @@ BUS_ERRORS = (RedisError, OSError)  # redis-py wraps most socket errors, not all
 class RequestFailed(Exception):
     """The scheduler ended a request with an error entry; `tokens` says whether any token came first."""
 
-    def __init__(self, message: str, tokens: int, kind: str | None) -> None:
+    def __init__(self, message: str, tokens: int, kind: str | None, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.tokens = tokens
         self.kind = kind
+        self.retry_after = retry_after
 
 
 def bus_unavailable(e: Exception) -> ApiError:
@@ -58,11 +61,12 @@ class CallLog(logging.LoggerAdapter):
 
 @dataclass(slots=True)
 class Gateway:
-    """What every handler shares: settings, the model, the bus, admission and metrics."""
+    """What every handler shares: settings, the model, the bus, admission, the API keys and metrics."""
     settings: Settings
     model: ServedModel
     bus: Bus
     admission: Admission
+    keys: KeyRing
     metrics: Metrics = field(default_factory=Metrics)
     started: float = field(default_factory=time.time)
     background: set[asyncio.Task] = field(default_factory=set)
@@ -76,9 +80,16 @@ class Gateway:
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
-    async def admit(self, call: GenerateCall) -> None:
+    async def admit(self, call: GenerateCall, tenant: Tenant) -> None:
         """Reserve a waiting place per prompt of `call`, or 400/429 (see Admission), counting the scheduler's
-        waiting requests too while its snapshot is fresh. The Generation that follows releases them."""
+        waiting requests too while its snapshot is fresh. The Generation that follows releases them. A priority
+        needs the priority policy, and one more urgent than the tenant's cap is a 400."""
+        if call.priority and self.settings.scheduling_policy != "priority":
+            raise bad_request(f"`priority` {call.priority} needs the priority scheduling policy (this server's is "
+                              f"{self.settings.scheduling_policy}); send 0 or leave it out", param="priority")
+        if tenant.max_priority is not None and call.priority < tenant.max_priority:
+            raise bad_request(f"`priority` {call.priority} is more urgent than tenant {tenant.name} may ask for "
+                              f"(lower runs first; its most urgent is {tenant.max_priority})", param="priority")
         self.admission.check_size(call.work)
         try:
             stats = await self.bus.stats()
@@ -117,7 +128,8 @@ class Origin:
     """Where a call's requests come from, and what becomes of them when its client goes: a new call (`record` kept
     while it streams, so that any gateway can pick the stream up), or a stream picked up again after `resume` (its
     requests run already: nothing is submitted; one that takes the stream up from its reader governs it from then
-    on). A background call's requests run to their end whoever watches, and keep their streams `retention` seconds."""
+    on). A background call's requests run to their end whoever watches, and keep their streams `retention` seconds.
+    Its requests are its tenant's (their limits, priority cap, share and prefix cache)."""
     record: CallRecord | None = None
     call_id: str | None = None  # the call's id where it has one already (resumed, or a stored response's)
     resume: Position | None = None
@@ -125,6 +137,7 @@ class Origin:
     retention: float = 0.0
     stored: Stored | None = None  # a stored response's record, written with its requests
     resumable: bool = True  # its stream can be picked up again (a response that is not stored cannot)
+    tenant: Tenant = Tenant()
 
 
 class Generation:
@@ -156,6 +169,10 @@ class Generation:
         self.first_token: list[float | None] = [None] * len(self.trackers)
         # (prompt index, entries of its stream, or the error that ended the reading), as the bus routes them
         self.queue: asyncio.Queue[tuple[int, list[TokenOutput | Assignment] | BaseException]] = asyncio.Queue()
+
+    @property
+    def tenant(self) -> str:
+        return self.origin.tenant.name
 
     @property
     def prompt_tokens(self) -> int:
@@ -190,7 +207,7 @@ class Generation:
                 raise bus_unavailable(e) from None
             submitted = True
             if new:
-                gw.metrics.prompt_tokens.inc(self.prompt_tokens)
+                gw.metrics.prompt_tokens.labels(self.tenant).inc(self.prompt_tokens)
             while running:
                 i, outs = await self.queue.get()
                 if isinstance(outs, BaseException):
@@ -208,7 +225,7 @@ class Generation:
                     if tracker.error is not None:
                         if batch:
                             yield batch  # the tokens before the error are streamed before it
-                        raise RequestFailed(tracker.error, tracker.num_generated, tracker.error_kind)
+                        raise RequestFailed(tracker.error, tracker.num_generated, tracker.error_kind, tracker.retry_after)
                     batch += [(i * n + delta.sample_index, delta) for delta in deltas]
                     if tracker.finished:
                         running.discard(i)
@@ -230,12 +247,13 @@ class Generation:
             raise bus_unavailable(e) from None
         finally:
             self.gw.admission.release(len(self.trackers))  # nobody here waits for a first token to release them
-        self.gw.metrics.prompt_tokens.inc(self.prompt_tokens)
+        self.gw.metrics.prompt_tokens.labels(self.tenant).inc(self.prompt_tokens)
 
     def _requests(self, arrival: float) -> list[Request]:
         gateway_id = "" if self.origin.background else self.gw.bus.instance
-        return [Request(t.rid, self.call.model, p.token_ids, self.call.params, arrival, gateway_id,
-                        self.origin.retention) for t, p in zip(self.trackers, self.call.prompts)]
+        call, origin = self.call, self.origin
+        return [Request(t.rid, call.model, p.token_ids, call.params, arrival, gateway_id, origin.retention,
+                        origin.tenant, call.priority, call.cache_salt) for t, p in zip(self.trackers, call.prompts)]
 
     def _resumable(self) -> Resumable | None:
         """What a new streamed call leaves in Redis for a client that reconnects, to this gateway or another."""
@@ -247,22 +265,22 @@ class Generation:
         now = time.time()
         self.first_token[i] = now
         self.gw.admission.first_token(now)
-        self.gw.metrics.ttft.observe(now - self.received)
-        self.gw.metrics.queue.observe(now - arrival)
+        self.gw.metrics.ttft.labels(self.tenant).observe(now - self.received)
+        self.gw.metrics.queue.labels(self.tenant).observe(now - arrival)
 
     def _finish(self, arrival: float) -> None:
         self._end_requests()
         if self.origin.resume is not None:
             return  # its own metrics were counted where it began
-        now, m = time.time(), self.gw.metrics
+        now, m, tenant = time.time(), self.gw.metrics, self.tenant
         for tracker, first in zip(self.trackers, self.first_token):
-            m.generation_tokens.inc(tracker.num_generated)
+            m.generation_tokens.labels(tenant).inc(tracker.num_generated)
             for s in tracker.samples:
-                m.finished.labels(s.finish_reason or ("error" if tracker.error else "abort")).inc()
+                m.finished.labels(s.finish_reason or ("error" if tracker.error else "abort"), tenant).inc()
             longest = max(len(s.token_ids) for s in tracker.samples)
             if first is not None and longest > 1:
-                m.tpot.observe((now - first) / (longest - 1))
-            m.e2e.observe(now - self.received)
+                m.tpot.labels(tenant).observe((now - first) / (longest - 1))
+            m.e2e.labels(tenant).observe(now - self.received)
 
     def _end_requests(self) -> None:
         """Abort on the bus what the call no longer reads: at once where a stop string ended a sample here, after
@@ -548,6 +566,8 @@ def failure(e: RequestFailed) -> ApiError:
                         code="request_failed")
     if e.kind == REJECTED:
         return ApiError(400, str(e), code="request_rejected")
+    if e.kind == OVERLOADED:
+        return rate_limited(str(e), e.retry_after or RETRY_AFTER_S)
     if e.kind == UNAVAILABLE:
         return ApiError(503, str(e), type="server_error", code="no_worker_available",
                         headers={"Retry-After": str(RETRY_AFTER_S)})

@@ -15,6 +15,7 @@ from shared.keys import FIELD, Keys
 from shared.out_stream import OutOfOrder, OutputFold
 from shared.protocol import Assignment, Request, SchedulerStats, TokenOutput, WorkerRegistration, decode, encode
 from shared.sampling import SamplingParams
+from shared.tenants import Tenant
 
 
 class BusClient:
@@ -29,9 +30,10 @@ class BusClient:
     def reconnect(self) -> None:
         self.redis = redis.Redis.from_url(self.url, socket_timeout=10)
 
-    def submit(self, prompt: list[int], params: SamplingParams, model: str = "tiny", gateway_id: str = "") -> str:
+    def submit(self, prompt: list[int], params: SamplingParams, model: str = "tiny", gateway_id: str = "",
+               tenant: Tenant = Tenant(), priority: int = 0) -> str:
         rid = uuid.uuid4().hex
-        req = Request(rid, model, prompt, params, time.time(), gateway_id)
+        req = Request(rid, model, prompt, params, time.time(), gateway_id, tenant=tenant, priority=priority)
         self.redis.xadd(self.keys.requests, {FIELD: encode(req)})
         self.cursors[rid] = "0-0"
         self.folds[rid] = OutputFold(params.n, params.max_tokens)

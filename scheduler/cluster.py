@@ -2,8 +2,10 @@
 
 It places new and orphaned requests (the longest prefix hit, weighed against load), follows workers
 joining, leaving, expiring and stalling, keeps aborts that arrive before their request, aborts the
-requests of a gateway that is gone, and resumes a request from the tokens already on its stream. Time
-comes in as an argument; the scheduler service only reads, decodes, calls these, and writes.
+requests of a gateway that is gone, and resumes a request from the tokens already on its stream. Its
+ledger (scheduler/ledger.py) holds every tenant's account: a new request past a queue limit is turned away,
+one that waited past its queue time ends, both with the wait to advise. Time comes in as an argument; the
+scheduler service only reads, decodes, calls these, and writes.
 """
 from __future__ import annotations
 
@@ -14,12 +16,13 @@ from dataclasses import dataclass, field
 
 from scheduler.beam_search import BeamSearch
 from scheduler.groups import BeamGroup
+from scheduler.ledger import Ledger
 from scheduler.request import FinishedRequest, RequestState, Status
 from scheduler.worker_scheduler import ORDER, Ids, WorkerScheduler, WorkerSchedulerFactory
 from shared.out_stream import OutOfOrder, OutputFold
 from shared.protocol import (
-    REJECTED, SCHEDULER_WRITER, UNAVAILABLE, Assignment, ProtocolError, Request, SchedulerStats, StepPlan,
-    StepResult, TokenOutput, WorkerRegistration, decode,
+    OVERLOADED, REJECTED, SCHEDULER_WRITER, UNAVAILABLE, Assignment, ProtocolError, Request, SchedulerStats, StepPlan,
+    StepResult, TenantStats, TokenOutput, WorkerRegistration, decode,
 )
 from shared.sampling import finish_reason
 from shared.settings import Settings
@@ -56,6 +59,7 @@ class Cluster:
         self.stalled: dict[str, str] = {}  # worker id → the instance that overran step_timeout
         self.oldest_steps: dict[str, tuple[int, float]] = {}  # worker id → (its oldest step in flight, seen since)
         self.ids = Ids()
+        self.ledger = Ledger(settings)
         self._order = itertools.count()
         self._past_preemptions = 0  # of workers removed since
 
@@ -88,7 +92,7 @@ class Cluster:
             if known.reg == reg:
                 return
             self.remove_worker(reg.worker_id)
-        self.workers[reg.worker_id] = self.worker_scheduler(reg, self.settings, self.epoch, self.ids)
+        self.workers[reg.worker_id] = self.worker_scheduler(reg, self.settings, self.epoch, self.ids, self.ledger)
         unplaced, self.unplaced = self.unplaced, []
         for rs in unplaced:
             self._place(rs)
@@ -102,6 +106,7 @@ class Cluster:
         self.oldest_steps.pop(worker_id, None)
         self._collect(ws.ended)  # nothing in flight there will come back
         for rs in sorted(ws.requests, key=ORDER):
+            ws.unseat(rs)
             rs.seqs = []
             rs.group.released()
             rs.status = Status.WAITING
@@ -171,7 +176,8 @@ class Cluster:
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, req: Request, outputs: dict[int, list[int]] | None = None,
                     reasons: dict[int, str] | None = None) -> None:
-        """A request, with the tokens its samples already have and why those that ended did (a resumed one)."""
+        """A request, with the tokens its samples already have and why those that ended did (a resumed one: the
+        queue limits turn away new requests only)."""
         if req.rid in self.requests:
             return  # a redelivery of a request already here
         outputs, reasons = outputs or {}, reasons or {}
@@ -183,13 +189,19 @@ class Cluster:
         if error is not None:
             self._collect([FinishedRequest(req.rid, "error", error, REJECTED)])
             return
+        refusal = self.ledger.refusal(req) if not outputs and not reasons else None
+        if refusal is not None:
+            self._collect([FinishedRequest(req.rid, "error", refusal.message, OVERLOADED,
+                                           retry_after=refusal.retry_after)])
+            return
         params = req.params
+        rank = (req.priority if self.settings.scheduling_policy == "priority" else 0, next(self._order))
         if params.beam_width:  # its samples are the live beams: one to begin with (a restart begins again)
-            rs = RequestState(req, next(self._order), [[]], [None],
+            rs = RequestState(req, rank, [[]], [None],
                               group=BeamGroup(search=BeamSearch(params.beam_width, params.length_penalty,
                                                                 params.early_stopping)))
         else:
-            rs = RequestState(req, next(self._order), [list(outputs.get(i, ())) for i in range(params.n)],
+            rs = RequestState(req, rank, [list(outputs.get(i, ())) for i in range(params.n)],
                               [reasons.get(i) for i in range(params.n)])
         for i in rs.live_samples:  # what ends a sample whatever the worker: max_tokens, stop_token_ids
             rs.reasons[i] = finish_reason(req.params, rs.outputs[i], len(rs.tokens(i)), sys.maxsize, ())
@@ -197,6 +209,7 @@ class Cluster:
             self._collect([FinishedRequest(req.rid, rs.reasons[-1] or "stop")])
             return
         self.requests[req.rid] = rs
+        self.ledger.arrived(req)
         self._place(rs)
 
     def resume(self, req: Request, entries: list[TokenOutput | Assignment]) -> bool:
@@ -232,12 +245,18 @@ class Cluster:
         rs = self.requests.get(rid)
         if rs is None:
             self.early_aborts[rid] = (reason, now)
-        elif rs.worker_id is not None:
-            self.workers[rs.worker_id].finish(rs, _abort_reason(reason))
         else:
+            self._end(rs, FinishedRequest(rid, _abort_reason(reason)))
+
+    def _end(self, rs: RequestState, end: FinishedRequest) -> None:
+        """End a request that has not, on its worker or with none."""
+        if rs.worker_id is not None:
+            self.workers[rs.worker_id].finish(rs, end.finish_reason, end.error, end.error_kind,
+                                              retry_after=end.retry_after)
+        elif rs.status is not Status.FINISHED:
             self.unplaced.remove(rs)
             rs.status = Status.FINISHED
-            self._collect([FinishedRequest(rid, _abort_reason(reason))])
+            self._collect([end])
 
     def gateway_ids(self) -> set[str]:
         """The gateways whose requests run here (requests with no gateway are never aborted for one)."""
@@ -268,21 +287,37 @@ class Cluster:
         return Orphans(taken_up=moved, aborted=len(rids) - moved)
 
     def expire(self, now: float) -> None:
-        """Fail the requests that waited for a worker over request_timeout; forget old early aborts."""
+        """Fail the requests that waited for a worker over request_timeout, and those that waited for admission over
+        their queue time (429); forget old early aborts; stamp the ledger's window with the time."""
+        self.ledger.tick(now)
+        self._expire_queued(now)
         timeout = self.settings.request_timeout
         for rs in list(self.unplaced):
             if rs.unplaced_since is None:
                 rs.unplaced_since = now
             elif now - rs.unplaced_since > timeout:
-                self.unplaced.remove(rs)
-                rs.status = Status.FINISHED
-                self._collect([FinishedRequest(rs.rid, "error", f"no worker could take the request within "
-                                                                f"{timeout:g} s", UNAVAILABLE)])
+                self._end(rs, FinishedRequest(rs.rid, "error", f"no worker could take the request within {timeout:g} s",
+                                              UNAVAILABLE))
         self.early_aborts = {rid: e for rid, e in self.early_aborts.items() if now - e[1] <= timeout}
+
+    def _expire_queued(self, now: float) -> None:
+        queued = [rs for rs in self.unplaced if rs.queued]
+        for ws in self.workers.values():
+            queued += [rs for rs in ws.waiting if rs.queued]
+        for rs in queued:
+            limit = self.ledger.queue_time_limit(rs.req.tenant)
+            if rs.queued_since is None:
+                rs.queued_since = now
+            elif limit and now - rs.queued_since > limit:
+                self._end(rs, FinishedRequest(rs.rid, "error", f"the request waited {now - rs.queued_since:.1f} s "
+                                              f"for admission, past the queue time of {limit:g} s", OVERLOADED,
+                                              retry_after=self.ledger.retry_after(rs.req.tenant)))
 
     def _collect(self, finished: list[FinishedRequest]) -> None:
         for done in finished:
-            self.requests.pop(done.rid, None)
+            rs = self.requests.pop(done.rid, None)
+            if rs is not None:
+                self.ledger.ended(rs.req, rs.queued)
             self.finished.append(done)
 
     def pop_finished(self) -> list[FinishedRequest]:
@@ -341,7 +376,12 @@ class Cluster:
             preempted=sum(len(ws.preempted) for ws in self.workers.values()),
             preemptions=self.num_preemptions,
             workers=workers,
+            tenants=self.tenant_stats(),
         )
+
+    def tenant_stats(self) -> list[TenantStats]:
+        return [TenantStats(name, a.waiting, a.running_seqs, a.tokens_in_window())
+                for name, a in sorted(self.ledger.accounts.items())]
 
 
 def _abort_reason(reason: str) -> str:

@@ -2,7 +2,8 @@
 
 Each full block is named by a chained hash h_i = sha256(h_{i-1} | token ids of block i | extra keys),
 over a canonical byte encoding (little-endian int64 token ids; length-prefixed UTF-8 extra keys, which
-carry the model id and leave room for adapter ids). A block is indexed only once its KV is computed
+carry the model id and leave room for adapter ids); h_-1 is the request's root, the hash of its salt (its
+tenant's and its `cache_salt`), so that blocks are shared only between requests of one salt. A block is indexed only once its KV is computed
 (the scheduler commits after a step's result), so a hit never points at KV still being written.
 """
 from __future__ import annotations
@@ -33,10 +34,16 @@ def hash_block_tokens(parent: bytes, token_ids: list[int], extra: bytes) -> byte
     return h.digest()
 
 
-def hash_full_blocks(token_ids: list[int], block_size: int, extra: bytes, known: Sequence[bytes] = ()) -> list[bytes]:
+def chain_root(salt: str) -> bytes:
+    """The parent of a chain's first block: no salt gives the chain every unsalted request shares."""
+    return hashlib.sha256(b"salt\0" + salt.encode("utf-8")).digest() if salt else NO_PARENT
+
+
+def hash_full_blocks(token_ids: list[int], block_size: int, extra: bytes, known: Sequence[bytes] = (),
+                     root: bytes = NO_PARENT) -> list[bytes]:
     """The chained hashes of every full block of `token_ids`, reusing `known` hashes of its leading blocks."""
     hashes = list(known)
-    parent = hashes[-1] if hashes else NO_PARENT
+    parent = hashes[-1] if hashes else root
     for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
         parent = hash_block_tokens(parent, token_ids[start:start + block_size], extra)
         hashes.append(parent)
@@ -128,8 +135,8 @@ class KVCacheManager:
         return len(seq.table)
 
     # ---- prefix cache ---------------------------------------------------------------------
-    def hash_tokens(self, token_ids: list[int], known: Sequence[bytes] = ()) -> list[bytes]:
-        return hash_full_blocks(token_ids, self.block_size, self.extra, known) if self.enable_caching else []
+    def hash_tokens(self, token_ids: list[int], known: Sequence[bytes] = (), root: bytes = NO_PARENT) -> list[bytes]:
+        return hash_full_blocks(token_ids, self.block_size, self.extra, known, root) if self.enable_caching else []
 
     def find_prefix(self, hashes: list[bytes], num_tokens: int) -> list[Block]:
         """The longest run of leading cached blocks, leaving at least the last token to compute (its
@@ -142,7 +149,8 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def commit(self, seq_id: int, prompt: list[int], output: list[int], num_computed: int) -> None:
+    def commit(self, seq_id: int, prompt: list[int], output: list[int], num_computed: int,
+               root: bytes = NO_PARENT) -> None:
         """Index the blocks that computed tokens filled (generated tokens included)."""
         if not self.enable_caching:
             return
@@ -154,7 +162,7 @@ class KVCacheManager:
         tokens = prompt + output if len(seq.hashes) < full else prompt
         for i in range(seq.num_cached, full):
             if i == len(seq.hashes):
-                parent = seq.hashes[-1] if seq.hashes else NO_PARENT
+                parent = seq.hashes[-1] if seq.hashes else root
                 seq.hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs], self.extra))
             self.pool.cache(seq.table[i], seq.hashes[i])
         seq.num_cached = full
@@ -220,7 +228,7 @@ class KVCacheManager:
             opened = {opening.seq_id: opening.hits for opening in growth.opens}
             need = len({b.block_id for hits in opened.values() for b in hits if b.ref_cnt == 0})
         if growth.swap_in:
-            need += self._distinct([self.swapped[s].table for s in growth.swap_in])
+            need += self.swap_in_blocks(growth.swap_in)
         writers: dict[int, int] = {}  # shared block id → its writers
         shared: dict[int, Block] = {}
         spans = []
@@ -260,6 +268,10 @@ class KVCacheManager:
     @staticmethod
     def _distinct(tables: list[list[Block]]) -> int:
         return len({b.block_id for table in tables for b in table})
+
+    def swap_in_blocks(self, seq_ids: list[int]) -> int:
+        """Device blocks that bringing the swapped sequences back takes."""
+        return self._distinct([self.swapped[s].table for s in seq_ids])
 
     def can_swap_out(self, seq_ids: list[int]) -> bool:
         need = self._distinct([self.seqs[s].table for s in seq_ids])

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from scheduler.beam_search import Hypothesis
 from scheduler.groups import RequestGroup, SamplingGroup
+from scheduler.kv_cache_manager import chain_root
 from shared.protocol import SCHEDULER_WRITER, Assignment, Request, TokenOutput
 
 
@@ -29,6 +30,7 @@ class FinishedRequest:
     error: str | None = None  # set for rejected/failed requests: a clear message for the client
     error_kind: str | None = None  # REJECTED, UNAVAILABLE or FAILED, with `error`
     beams: list[Hypothesis] | None = None  # a beam search's n best beams, which the scheduler writes itself
+    retry_after: float | None = None  # with error_kind OVERLOADED: seconds its client should wait
 
     def stream_entries(self, epoch: int) -> list[Assignment | TokenOutput]:
         """What the scheduler writes on the request's stream: a beam search's results, as their writer, then the
@@ -41,7 +43,7 @@ class FinishedRequest:
                                     worker_id=SCHEDULER_WRITER, epoch=epoch)
                         for i, beam in enumerate(self.beams) for k, token in enumerate(beam.tokens)]
         entries.append(TokenOutput(self.rid, -1, 0, -1, finish_reason=self.finish_reason, error=self.error,
-                                   error_kind=self.error_kind))
+                                   error_kind=self.error_kind, retry_after=self.retry_after))
         return entries
 
 
@@ -60,7 +62,7 @@ class Sequence:
 @dataclass(slots=True, eq=False)
 class RequestState:
     req: Request
-    order: int  # arrival order: preemption takes the latest, resumption the earliest
+    rank: tuple[int, int]  # (priority under the priority policy, else 0; arrival): preemption takes the last
     outputs: list[list[int]]  # per sample index
     reasons: list[str | None]  # per sample index: why it ended, None while it goes on
     status: Status = Status.WAITING
@@ -72,9 +74,15 @@ class RequestState:
     last_reason: str = "stop"
     group: RequestGroup = field(default_factory=SamplingGroup)  # its sequences' strategy (scheduler/groups.py)
     gateway_id: str = field(init=False)  # the gateway streaming it to its client: its submitter's, or a taker's since
+    root: bytes = field(init=False)  # where its chain of block hashes starts: its tenant's and its cache salt's
+    queued: bool = True  # never admitted yet: it counts against its tenant's queue limits (scheduler/ledger.py)
+    queued_since: float | None = None  # first tick that saw it queued
+    seats: int = 0  # sequences its tenant counts as running for it (since it was admitted or swapped in last)
 
     def __post_init__(self) -> None:
         self.gateway_id = self.req.gateway_id
+        salt = (self.req.tenant.cache_salt, self.req.cache_salt)
+        self.root = chain_root("\0".join(salt) if any(salt) else "")
 
     @property
     def rid(self) -> str:

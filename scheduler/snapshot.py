@@ -93,7 +93,8 @@ class CacheMonitor:
 
     def snapshot(self, cluster: Cluster, now: float) -> CacheSnapshot:
         return CacheSnapshot(now, HISTORY_INTERVAL_S, [self._worker_snapshot(ws) for ws in cluster.workers.values()],
-                             list(self.history_time), list(self.history_workers), len(cluster.unplaced))
+                             list(self.history_time), list(self.history_workers), len(cluster.unplaced),
+                             cluster.tenant_stats())
 
     def _worker(self, ws: WorkerScheduler) -> _Worker:
         w = self.workers.get(ws.worker_id)

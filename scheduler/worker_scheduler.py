@@ -2,19 +2,23 @@
 step's result in.
 
 One step shares a token budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`) between:
-1. running requests, earliest arrival first: each sequence's next chunk (a decode token, or a piece of a
-   long prompt: chunked prefill). When the cache has no room for a chunk, the latest-arrived running
-   request is preempted, all its sequences together: by recompute (its blocks are freed; it resumes from
-   prompt + output) or by swap (its blocks move to the worker's swap area);
-2. then, unless the step preempted, preempted requests (earliest first), then waiting ones, each admitted
-   only if its blocks fit above the watermark; waiting requests wait while a preempted one cannot resume.
+1. running requests in rank order (arrival; under the priority policy, priority first): each sequence's next
+   chunk (a decode token, or a piece of a long prompt: chunked prefill). When the cache has no room for a chunk,
+   the last-ranked running request is preempted, all its sequences together: by recompute (its blocks are freed;
+   it resumes from prompt + output) or by swap (its blocks move to the worker's swap area);
+2. then, unless the step preempted, preempted and waiting requests in the order the policy gives
+   (scheduler/policy.py), each admitted only if its blocks fit above the watermark, until one does not; one whose
+   tenant runs its most sequences already is passed over. Before any chunk is planned, a first request that does
+   not fit preempts the running request its policy names, if any (priority: the last one, when it outranks it;
+   fair: the latest of the tenant furthest over its share).
 A request's samples (n > 1) share its prompt: the first computes it alone, then the others fork from it
 and share its blocks, copying a block on their first write into it (copy-on-write); its group (scheduler/groups.py:
 samples, or a beam search's beams) says what its next chunks are and what a step's result does to it. Plans are deltas
 against what the worker holds (shared/protocol.py: StepPlan); a sequence's `num_computed` counts the
 tokens of plans sent, and a step's result commits them (prefix-cache index) and appends its tokens.
 
-Two policies are passed in: its pacing (scheduler/pacing.py: one plan in flight, or a lookahead planned while
+The cluster's ledger (scheduler/ledger.py) is charged with the tokens each plan computes for a tenant and counts
+its running sequences. Two policies are passed in: its pacing (scheduler/pacing.py: one plan in flight, or a lookahead planned while
 the worker computes one, as `settings.async_scheduling` says) and its reservation (scheduler/reservation.py:
 blocks on demand, or a benchmark's contiguous baseline).
 """
@@ -30,7 +34,9 @@ from typing import Callable
 from scheduler.beam_search import Hypothesis
 from scheduler.groups import Chunk
 from scheduler.kv_cache_manager import Growth, KVCacheManager, Opening, Slots, Write
+from scheduler.ledger import Ledger
 from scheduler.pacing import Lookahead, Synchronous
+from scheduler.policy import policy_for
 from scheduler.request import FinishedRequest, RequestState, Sequence, Status
 from scheduler.reservation import OnDemand, Reservation
 from shared.protocol import (
@@ -38,7 +44,7 @@ from shared.protocol import (
 )
 from shared.settings import Settings
 
-ORDER = attrgetter("order")
+ORDER = attrgetter("rank")
 
 
 @dataclass(slots=True)
@@ -100,19 +106,21 @@ class WorkerView:
 
 
 class WorkerScheduler:
-    def __init__(self, reg: WorkerRegistration, settings: Settings, epoch: int, ids: Ids,
+    def __init__(self, reg: WorkerRegistration, settings: Settings, epoch: int, ids: Ids, ledger: Ledger,
                  reservation: Reservation | None = None) -> None:
         self.reg = reg
         self.pacing = Lookahead(reg.max_model_len) if settings.async_scheduling else Synchronous()
         self.reservation = reservation or OnDemand()
+        self.ledger = ledger
+        self.policy = policy_for(settings.scheduling_policy, ledger)
         self.settings = settings
         self.epoch = epoch
         self.ids = ids
         self.kv = KVCacheManager(reg.num_blocks, reg.num_swap_blocks, reg.block_size, (reg.model_id,),
                                  settings.enable_prefix_caching)
-        self.waiting: list[RequestState] = []  # placed here, not admitted; arrival order
-        self.preempted: list[RequestState] = []  # recompute or swapped; arrival order
-        self.running: list[RequestState] = []  # arrival order
+        self.waiting: list[RequestState] = []  # placed here, not admitted; rank order
+        self.preempted: list[RequestState] = []  # recompute or swapped; rank order
+        self.running: list[RequestState] = []  # rank order
         self.in_flight: deque[InFlight] = deque()  # plans sent, oldest first
         self.to_forget: list[int] = []  # seq ids the worker may forget: the next plan's `finished`
         self.ended: list[FinishedRequest] = []  # see pop_ended
@@ -156,6 +164,8 @@ class WorkerScheduler:
             return None
         step = StepBuilder(StepPlan(self.worker_id, self.epoch, next(self.ids.steps)),
                            self.settings.max_num_batched_tokens, self.settings.max_num_seqs)
+        if self.running and not self._make_room(step):
+            return None  # the room waits for the plans in flight: no plan behind them keeps the head out longer
         for rs in list(self.running):
             if step.full or step.blocked:
                 break
@@ -163,9 +173,7 @@ class WorkerScheduler:
                 self._schedule_running(rs, step)
         # After a preemption, admitting would only preempt again, unless nothing is left running.
         if not step.blocked and (not step.preempted or not self.running):
-            self._admit_from(self.preempted, step)
-            if not self.preempted:
-                self._admit_from(self.waiting, step)
+            self._admit_all(step)
         plan = step.plan
         if not (step.chunks or plan.swap_out or plan.swap_in or plan.copies):
             return None
@@ -196,6 +204,7 @@ class WorkerScheduler:
                 return
             victim = self.running[-1]
             self._preempt(victim, step)
+            step.preempted = True
             if victim is rs:
                 return
 
@@ -207,8 +216,12 @@ class WorkerScheduler:
         """Put the chunks, on the blocks `slots` granted them, into the plan."""
         plan = step.plan
         plan.copies.extend(slots.copies)
+        prompt_len, prefill, computed = len(rs.prompt), 0, 0
         for seq, num_new, emits in chunks:
             start = seq.num_computed
+            if start < prompt_len:
+                prefill += min(num_new, prompt_len - start)
+            computed += num_new
             if not seq.sent:
                 parent = seq.fork_of  # while it lives on the worker, the prompt comes from there
                 if parent is not None and not (parent.sent and parent in rs.seqs):
@@ -232,6 +245,7 @@ class WorkerScheduler:
             step.chunks.append(Scheduled(rs, seq, start, num_new, emits))
             step.budget -= num_new
             step.seqs_left -= 1
+        self.ledger.charge(rs.req.tenant, prefill, computed - prefill)
 
     def fork(self, parent: Sequence, sample_index: int, num_tokens: int) -> Sequence:
         """A new sequence for the sample, sharing the parent's blocks of its first `num_tokens` (copy-on-write on
@@ -242,8 +256,8 @@ class WorkerScheduler:
 
     def _preempt(self, rs: RequestState, step: StepBuilder) -> None:
         self.running.remove(rs)
+        self.unseat(rs)
         self.num_preemptions += 1
-        step.preempted = True
         seq_ids = [s.seq_id for s in rs.seqs]
         if self.settings.preemption_mode == "swap" and self.kv.can_swap_out(seq_ids):
             step.plan.swap_out.extend(self.kv.swap_out(seq_ids))
@@ -269,13 +283,43 @@ class WorkerScheduler:
             self.to_forget.append(seq.seq_id)
 
     # ---- admission ------------------------------------------------------------------------
-    def _admit_from(self, queue: list[RequestState], step: StepBuilder) -> None:
+    def _admit_all(self, step: StepBuilder) -> None:
+        """Admit preempted and waiting requests in the policy's order until one does not fit."""
         step.running_seqs = self.num_running_seqs
-        while queue and not step.full:
-            rs = queue[0]
+        for rs in self.policy.order(self):
+            if step.full:
+                return
+            if not self.ledger.may_seat(rs.req.tenant, len(rs.live_samples)):
+                continue  # its tenant runs its most sequences: the others' requests go on
             if not (self._swap_in(rs, step) if rs.status is Status.SWAPPED else self._admit(rs, step)):
                 return
-            queue.pop(0)
+            (self.preempted if rs in self.preempted else self.waiting).remove(rs)
+
+    def _make_room(self, step: StepBuilder) -> bool:
+        """While the first request to admit does not fit (the sequence cap, or the blocks its first chunk and the
+        running ones' next tokens take), preempt the running request the policy names for it. False when the pacing
+        does not let this step preempt: a lookahead planned now would hold the head out one step more."""
+        head = next((rs for rs in self.policy.order(self)
+                     if self.ledger.may_seat(rs.req.tenant, len(rs.live_samples))), None)
+        while head is not None and self.running and not self._fits(head):
+            victim = self.policy.victim(self, head)
+            if victim is None:
+                return True
+            if not self.pacing.may_make_room(len(self.in_flight)):
+                return False
+            self._preempt(victim, step)
+        return True
+
+    def _fits(self, rs: RequestState) -> bool:
+        settings, kv = self.settings, self.kv
+        if self.num_running_seqs + len(rs.live_samples) > settings.max_num_seqs:
+            return False
+        if rs.status is Status.SWAPPED:
+            needed = kv.swap_in_blocks([s.seq_id for s in rs.seqs])
+        else:
+            needed = kv.num_blocks_for(min(rs.longest, settings.max_num_batched_tokens)) + len(rs.live_samples) - 1
+        growing = sum(1 for r in self.running for s in r.seqs if s.num_computed % kv.block_size == 0)
+        return kv.num_free - self._keep_free() - growing >= needed
 
     def _room_for(self, step: StepBuilder, num_seqs: int) -> bool:
         """The sequence cap; an idle worker takes anything, so that nothing waits forever."""
@@ -298,7 +342,7 @@ class WorkerScheduler:
         for i in start.samples:
             tokens = rs.tokens(i)
             end = len(tokens) if start.shared_end is None else start.shared_end
-            hashes = self.kv.hash_tokens(tokens, prompt_hashes) if rs.outputs[i] else prompt_hashes
+            hashes = self.kv.hash_tokens(tokens, prompt_hashes, rs.root) if rs.outputs[i] else prompt_hashes
             # The prompt logprobs asked for come from computing every prompt position: no prefix hit then.
             fresh = rs.req.params.prompt_logprobs is not None and not rs.outputs[i]
             hits = [] if fresh else self.kv.find_prefix(hashes, end + (start.shared_end is not None))
@@ -313,6 +357,9 @@ class WorkerScheduler:
         slots = self.kv.allocate_slots(Growth(opens, (), _writes(chunks)), self._keep_free())
         if slots is None:
             return False
+        if rs.queued:
+            rs.queued = False
+            self.ledger.admitted(rs.req)
         rs.seqs = seqs
         self._start_running(rs, step, chunks, slots)
         self.reservation.started(self, rs)
@@ -335,7 +382,9 @@ class WorkerScheduler:
     def _start_running(self, rs: RequestState, step: StepBuilder, chunks: list[Chunk], slots: Slots) -> None:
         rs.status = Status.RUNNING
         bisect.insort(self.running, rs, key=ORDER)
-        step.running_seqs += len(rs.live_samples)
+        rs.seats = len(rs.live_samples)
+        self.ledger.seated(rs.req.tenant.name, rs.seats)
+        step.running_seqs += rs.seats
         if chunks:
             self._add(rs, chunks, slots, step)
         else:  # nothing granted yet: forking at once, or swapped in alone
@@ -344,7 +393,7 @@ class WorkerScheduler:
     def _prompt_hashes(self, rs: RequestState) -> list[bytes]:
         hashes = rs.prompt_hashes.get(self.kv.extra)
         if hashes is None:
-            hashes = rs.prompt_hashes[self.kv.extra] = self.kv.hash_tokens(rs.prompt)
+            hashes = rs.prompt_hashes[self.kv.extra] = self.kv.hash_tokens(rs.prompt, root=rs.root)
         return hashes
 
     def uncached_prompt(self, rs: RequestState) -> int:
@@ -368,7 +417,8 @@ class WorkerScheduler:
         for c in chunks:
             if c.rs.status is not Status.RUNNING or c.seq not in c.rs.seqs:
                 continue  # aborted, or its sample ended, while in flight
-            self.kv.commit(c.seq.seq_id, c.rs.prompt, c.rs.outputs[c.seq.sample_index], c.start + c.num_new)
+            self.kv.commit(c.seq.seq_id, c.rs.prompt, c.rs.outputs[c.seq.sample_index], c.start + c.num_new,
+                           c.rs.root)
             if c.emits_token:
                 emitting[(c.rs.rid, c.seq.sample_index)] = c
             elif c.rs.group.reports(c.rs, c.seq, c.start + c.num_new):
@@ -398,16 +448,23 @@ class WorkerScheduler:
 
     # ---- ending ---------------------------------------------------------------------------
     def finish(self, rs: RequestState, reason: str, error: str | None = None, error_kind: str | None = None,
-               beams: list[Hypothesis] | None = None) -> None:
+               beams: list[Hypothesis] | None = None, retry_after: float | None = None) -> None:
         """End the request here: free its blocks at once; its end is reported by pop_ended."""
         if rs.status is Status.FINISHED:
             return
         self._release(rs)
+        self.unseat(rs)
         for queue in (self.running, self.preempted, self.waiting):
             if rs in queue:
                 queue.remove(rs)
         rs.status = Status.FINISHED
-        self.ended.append(FinishedRequest(rs.rid, reason, error, error_kind, beams))
+        self.ended.append(FinishedRequest(rs.rid, reason, error, error_kind, beams, retry_after))
+
+    def unseat(self, rs: RequestState) -> None:
+        """The request no longer runs here: its tenant's running sequences go down by those it counted."""
+        if rs.seats:
+            self.ledger.seated(rs.req.tenant.name, -rs.seats)
+            rs.seats = 0
 
     def pop_ended(self) -> list[FinishedRequest]:
         """Requests that ended here and that no plan in flight carries any more: the worker writes the tokens
@@ -421,7 +478,7 @@ class WorkerScheduler:
 
 
 # How a cluster makes each worker's scheduler: WorkerScheduler itself, or one given another reservation.
-WorkerSchedulerFactory = Callable[[WorkerRegistration, Settings, int, Ids], WorkerScheduler]
+WorkerSchedulerFactory = Callable[[WorkerRegistration, Settings, int, Ids, Ledger], WorkerScheduler]
 
 
 def _writes(chunks: list[Chunk]) -> list[Write]:

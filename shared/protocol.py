@@ -15,13 +15,15 @@ from typing import Any, Callable, Union
 
 import msgpack
 
-from shared.sampling import ParamError, SamplingParams
+from shared.sampling import SamplingParams
+from shared.tenants import Tenant
 
 PROTOCOL_VERSION = 2
 # Why the scheduler ended a request with an error, so the gateway can answer with the right status.
 REJECTED = "rejected"  # the request can never be served as sent (e.g. longer than any worker's cache): 400
 UNAVAILABLE = "unavailable"  # no worker took it in time: 503, worth retrying
 FAILED = "failed"  # a worker failed while serving it: 500
+OVERLOADED = "overloaded"  # a queue limit (its tenant's or the server's) turned it away: 429, retry after a while
 SCHEDULER_WRITER = ":scheduler"  # the writer of the tokens the scheduler writes itself (beam search results)
 MAX_MESSAGE_BYTES = 64 << 20
 _INT64 = (-(2**63), 2**63 - 1)
@@ -41,6 +43,9 @@ class Request:
     arrival_time: float
     gateway_id: str = ""  # the submitting gateway's instance: its requests are aborted once it is gone
     retention: float = 0.0  # seconds its out: stream is kept after it ends, if longer than the default (stored)
+    tenant: Tenant = field(default_factory=Tenant)
+    priority: int = 0  # lower runs first (vLLM's), under the priority policy
+    cache_salt: str = ""  # the client's: blocks are shared only between requests of one tenant and one salt
 
 
 @dataclass(slots=True)
@@ -140,7 +145,7 @@ class TokenOutput:
     asked for them, `prompt_logprobs` (one per prompt token after the first).
 
     The scheduler ends each request with an entry of `sample_index` -1: `finish_reason` "error" with
-    `error` (the message) and `error_kind` (REJECTED, UNAVAILABLE or FAILED) for a failure, else the
+    `error` (the message) and `error_kind` (REJECTED, UNAVAILABLE, FAILED or OVERLOADED) for a failure, else the
     reason that ends every sample the workers did not finish.
     """
     rid: str
@@ -156,6 +161,7 @@ class TokenOutput:
     epoch: int = 0
     num_cached_tokens: int | None = None
     prompt_logprobs: list[PromptLogprob] | None = None
+    retry_after: float | None = None  # with error_kind OVERLOADED: seconds to wait before retrying
 
 
 @dataclass(slots=True)
@@ -202,6 +208,14 @@ class WorkerStats:
 
 
 @dataclass(slots=True)
+class TenantStats:
+    tenant: str
+    waiting: int  # requests not admitted yet
+    running_seqs: int
+    tokens_last_minute: int  # prompt and generated tokens computed for it, in the last minute
+
+
+@dataclass(slots=True)
 class SchedulerStats:
     """scheduler → gateway (`stats` key): the state /metrics exports."""
     time: float
@@ -210,6 +224,7 @@ class SchedulerStats:
     preempted: int
     preemptions: int  # total since start
     workers: list[WorkerStats] = field(default_factory=list)
+    tenants: list[TenantStats] = field(default_factory=list)
 
 
 # A KV block's state in a CacheSnapshot, one byte per block; BLOCK_MOVING is or-ed onto the state of a block that a
@@ -268,6 +283,7 @@ class CacheSnapshot:
     history_time: list[float] = field(default_factory=list)  # when each history sample was taken
     history_workers: list[int] = field(default_factory=list)  # workers in the cluster then
     unplaced: int = 0  # requests waiting for any worker
+    tenants: list[TenantStats] = field(default_factory=list)
 
 
 Message = Union[Request, Abort, WorkerRegistration, WorkerGone, StepPlan, StepResult, TokenOutput, Assignment,
@@ -424,6 +440,7 @@ def _message(cls: type) -> Callable[[Any], Any]:
     fields = [(f.name, _validator(hints[f.name]),
                f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
               for f in dataclasses.fields(cls)]
+    validate_obj = getattr(cls, "validate", None)  # the rules of its own module (SamplingParams, Tenant)
 
     def check(value: Any) -> Any:
         if type(value) is not dict:
@@ -439,10 +456,10 @@ def _message(cls: type) -> Callable[[Any], Any]:
             elif required:
                 raise _Invalid(f"missing field {name!r}")
         obj = cls(**kwargs)
-        if cls is SamplingParams:
+        if validate_obj is not None:
             try:
-                obj.validate()
-            except ParamError as e:
+                validate_obj(obj)
+            except ValueError as e:
                 raise _Invalid(str(e)) from None
         return obj
     return check

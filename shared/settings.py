@@ -58,6 +58,15 @@ class Settings:
     max_num_batched_tokens: int = _opt(2048, "token budget of one step (prefill chunks + decode tokens)")
     preemption_mode: str = _opt("recompute", "what to do with a preempted request's KV blocks", ("recompute", "swap"))
     watermark: float = _opt(0.01, "share of blocks kept free when admitting new requests")
+    scheduling_policy: str = _opt("fcfs", "the order of work: fcfs (arrival), priority (the request's `priority`, "
+                                  "lower first, preempting lower-priority work for it) or fair (each tenant's "
+                                  "weighted share of the tokens computed, across all workers; a tenant under "
+                                  "its share of a worker's sequences preempts one over it)",
+                                  ("fcfs", "priority", "fair"))
+    max_queued_tokens: int = _opt(0, "prompt tokens that may wait for admission in all; a request past it gets 429 "
+                                  "(0 = no limit)")
+    max_queue_time: float = _opt(0.0, "seconds a request may wait for admission before it ends with 429 (0 = no "
+                                 "limit)")
     async_scheduling: bool = _opt(True, "plan a worker's next step while it computes the current one, so that "
                                   "it never waits for the scheduler")
     # services and bus
@@ -76,6 +85,8 @@ class Settings:
     port: int = _opt(8000, "port the gateway listens on")
     api_key: str = _opt("", "if set, clients must send `Authorization: Bearer <key>`; several keys separated by "
                         "commas each have their own stored responses")
+    api_keys: str = _opt("", "a TOML file of API keys and their tenants' weights, limits and priority caps (see "
+                         "shared/tenants.py and the README); reloaded on SIGHUP and when it changes")
     response_ttl: float = _opt(86400.0, "seconds a stored response (and its events) is kept for retrieval and "
                                "replay")
     max_stored_responses: int = _opt(10000, "stored responses kept at most; past it the oldest is deleted")
@@ -113,6 +124,11 @@ class Settings:
             raise SettingsError(f"port must be in 1-65535; got {self.port}")
         if min(self.heartbeat_ttl, self.request_timeout, self.out_stream_ttl, self.response_ttl) <= 0:
             raise SettingsError("heartbeat_ttl, request_timeout, out_stream_ttl and response_ttl must be positive")
+        if self.api_key and self.api_keys:
+            raise SettingsError("api_key and api_keys are two ways to set the keys; give one (the keys file's "
+                                "tenants can hold several keys each)")
+        if self.max_queued_tokens < 0 or self.max_queue_time < 0:
+            raise SettingsError("max_queued_tokens and max_queue_time must be 0 (no limit) or more")
         if self.reconnect_grace < 0:
             raise SettingsError(f"reconnect_grace must be 0 or more; got {self.reconnect_grace}")
 

@@ -227,3 +227,19 @@ def test_the_light_image_leaves_torch_out_and_the_context_leaves_the_venv_out():
     assert "'torch'" in light and "--no-deps" in light
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".venv", ".git"} <= set(ignored)
+
+
+def test_the_gateway_and_the_scheduler_run_one_scheduling_policy_and_the_gateway_reads_the_keys_file():
+    """The gateway refuses a `priority` the scheduler's policy would not honour, so both must read the same one;
+    each value parses as the settings they build."""
+    from shared.settings import Settings
+
+    for env, policy in (({}, "fcfs"), ({"PAGEDSERVE_SCHEDULING_POLICY": "fair"}, "fair")):
+        services = resolved({"REDIS_PASSWORD": PASSWORD, **env})["services"]
+        for name in ("gateway", "scheduler"):
+            environment = services[name]["environment"]
+            assert environment["PAGEDSERVE_SCHEDULING_POLICY"] == policy
+            assert Settings(scheduling_policy=environment["PAGEDSERVE_SCHEDULING_POLICY"]).scheduling_policy == policy
+    services = resolved({"REDIS_PASSWORD": PASSWORD, "PAGEDSERVE_API_KEYS": "/models/keys.toml"})["services"]
+    assert services["gateway"]["environment"]["PAGEDSERVE_API_KEYS"] == "/models/keys.toml"
+    assert any(v.endswith(":/models:ro") for v in services["gateway"]["volumes"])  # where that file is mounted

@@ -7,12 +7,13 @@ import statistics
 
 import pytest
 
-from gateway.admission import MAX_RETRY_S, Admission
+from gateway.admission import Admission
 from gateway.errors import ApiError
+from shared.drain import MAX_RETRY_S, Drain
 
 
 def admission(max_waiting: int = 1024, waiting: int = 0) -> Admission:
-    return Admission(max_waiting, 1 << 20, waiting=waiting, rng=random.Random(0))
+    return Admission(max_waiting, 1 << 20, waiting=waiting, drain=Drain(rng=random.Random(0)))
 
 
 def status_of(action) -> int:

@@ -434,13 +434,14 @@ def test_metrics_export_gateway_counters_and_the_scheduler_snapshot(base, model,
     assert values[("pagedserve_kv_cache_usage_perc", w0)] == 0.25
     assert values[("pagedserve_prefix_cache_queries_total", w0)] == 40
     assert values[("pagedserve_prefix_cache_hits_total", w0)] == 32
-    assert values[("pagedserve_prompt_tokens_total", ())] == len(model.tokenizer.encode("Say"))
-    assert values[("pagedserve_generation_tokens_total", ())] == len(tokens(model, text))
-    assert values[("pagedserve_request_finished_total", (("finish_reason", "length"),))] == 1
+    tenant = (("tenant", "default"),)
+    assert values[("pagedserve_prompt_tokens_total", tenant)] == len(model.tokenizer.encode("Say"))
+    assert values[("pagedserve_generation_tokens_total", tenant)] == len(tokens(model, text))
+    assert values[("pagedserve_request_finished_total", (("finish_reason", "length"), *tenant))] == 1
     for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
                  "time_per_output_token_seconds"):
-        assert values[(f"pagedserve_{name}_count", ())] == 1, name
-        assert values[(f"pagedserve_{name}_bucket", (("le", "+Inf"),))] == 1, name
+        assert values[(f"pagedserve_{name}_count", tenant)] == 1, name
+        assert values[(f"pagedserve_{name}_bucket", (("le", "+Inf"), *tenant))] == 1, name
 
 
 def test_completion_whole_and_streamed_with_usage_logprobs_and_params(base, model):

@@ -110,6 +110,7 @@ ANTHROPIC_TABLES = [t for t in fields.ROUTES if t.startswith("/v1/messages")]
 ANTHROPIC_HEADERS = {"betas", "user_profile_id", "workspace_id"}  # the client sends these as headers
 # The Messages API's sampling fields, which the client's types no longer name since 2.x but the API takes.
 ANTHROPIC_SAMPLING = {"temperature", "top_p", "top_k"}
+VLLM_EXTENSIONS = {"/v1/messages": {"priority"}}  # vLLM's fields the Messages route takes as chat does
 
 
 @pytest.mark.parametrize("table", ANTHROPIC_TABLES)
@@ -119,7 +120,11 @@ def test_a_messages_table_names_every_field_the_anthropic_client_defines(table):
     ga |= ANTHROPIC_SAMPLING if table == "/v1/messages" else set()
     defined = fields.ROUTES[table]
     assert not (ga | beta) - set(defined), f"{table}: fields in neither list: {sorted((ga | beta) - set(defined))}"
+    extensions = VLLM_EXTENSIONS.get(table, set())
     for f in defined.values():
+        if f.name in extensions:
+            assert f.defined_by == fields.VLLM, f
+            continue
         assert f.defined_by == (fields.ANTHROPIC if f.name in ga else fields.ANTHROPIC_BETA), f
         assert f.name in ga | beta, f"{table}: {f.name} is no field of Anthropic's"
 
@@ -359,6 +364,29 @@ def _user(p: Probing) -> None:
     with p.caplog.at_level(logging.INFO, logger="gateway.app"):
         p.post(**{p.name: "alice@example"})
     assert "for user 'alice@example'" in p.caplog.text
+
+
+@probe("priority")
+def _priority(p: Probing) -> None:
+    """The bus carries it under the priority policy (the scheduler's order: test_tenants.py); under another, only 0."""
+    assert p.post(priority=0)[1].priority == 0
+    refused = p.gw.post(p.route, json=p.body | {"priority": -5})
+    assert refused.status == 400 and refused.json()["error"]["param"] == "priority", refused.text
+    settings = p.gw.settings
+    settings.scheduling_policy = "priority"
+    try:
+        assert p.post(priority=-5)[1].priority == -5
+    finally:
+        settings.scheduling_policy = "fcfs"
+
+
+@probe("cache_salt")
+def _cache_salt(p: Probing) -> None:
+    """The bus carries it (blocks shared only within a salt: test_tenants.py); an empty one is a 400."""
+    assert p.post(cache_salt="project-a")[1].cache_salt == "project-a"
+    assert p.post()[1].cache_salt == ""
+    empty = p.gw.post(p.route, json=p.body | {"cache_salt": ""})
+    assert empty.status == 400 and empty.json()["error"]["param"] == "cache_salt", empty.text
 
 
 @probe("prompt")

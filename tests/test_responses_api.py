@@ -238,7 +238,7 @@ HONOURED = {"model": MODEL, "input": [{"role": "user", "content": "yo"}], "instr
             "safety_identifier": "s", "max_tool_calls": 2, "top_k": 3, "seed": 1, "stop": ["x"],
             "repetition_penalty": 1.1, "ignore_eos": True, "skip_special_tokens": False,
             "include_stop_str_in_output": True, "logit_bias": {"5": 1.0}, "structured_outputs": {"json_object": True},
-            "chat_template_kwargs": {"a": 1}}
+            "chat_template_kwargs": {"a": 1}, "priority": -1, "cache_salt": "salt"}
 VACUOUS = {"include"}  # its values name items this server never writes (tested above)
 
 

@@ -18,6 +18,7 @@ from shared.keys import FIELD, Keys
 from shared.protocol import Abort, TokenOutput, decode, encode
 from shared.sampling import SamplingParams
 from shared.settings import Settings
+from shared.tenants import Tenant
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -104,8 +105,9 @@ def test_prefix_aware_placement(redis_url, stack_factory):
     assert hits[0] == 0 and hits[1] >= 4 * 96, hits
 
 
-def _stream_with_fault(client: BusClient, stack: Stack, batch, fault) -> list[list[int]]:
-    rids = [client.submit(p, GREEDY) for p in batch]
+def _stream_with_fault(client: BusClient, stack: Stack, batch, fault, whose=None) -> list[list[int]]:
+    """`whose(i)`: the tenant and priority of request i, as submit's keywords."""
+    rids = [client.submit(p, GREEDY, **(whose(i) if whose else {})) for i, p in enumerate(batch)]
     deadline = time.monotonic() + 90
     # poll() blocks until tokens arrive: no sleep between reads, so the fault lands mid-stream on a fast machine too
     while client.generated_count(rids) < 40:
@@ -144,6 +146,31 @@ def test_scheduler_killed_and_replaced(redis_url, stack_factory, reference):
         stack.start_scheduler("scheduler-2")
     assert _stream_with_fault(client, stack, batch, replace_scheduler) == reference(batch)
     assert "resumed requests" in stack.log("scheduler-2")
+
+
+TENANTS = [Tenant("a", max_seqs=5), Tenant("b", weight=3.0), Tenant("c", shared_cache=True)]
+
+
+@pytest.mark.parametrize("fault, policy", [("worker", "priority"), ("scheduler", "fair"), ("redis", "priority")])
+def test_recovery_stays_exactly_once_with_tenants_and_priorities_in_play(own_redis, stack_factory, reference, fault,
+                                                                          policy):
+    stack, client = stack_factory(own_redis.url, scheduling_policy=policy, max_num_seqs=6)
+    batch = prompts(12, seed=8)
+
+    def whose(i: int) -> dict:
+        return {"tenant": TENANTS[i % 3], "priority": (i % 4) - 2 if policy == "priority" else 0}
+
+    def replace_scheduler() -> None:
+        stack.kill("scheduler")
+        stack.start_scheduler("scheduler-2")
+
+    def kill_redis() -> None:  # SIGKILL: what it acknowledged is in its AOF (fsync always)
+        own_redis.proc.kill()
+        own_redis.proc.wait()
+        time.sleep(0.5)
+        own_redis.start()
+    faults = {"worker": lambda: stack.kill("w1"), "scheduler": replace_scheduler, "redis": kill_redis}
+    assert _stream_with_fault(client, stack, batch, faults[fault], whose) == reference(batch)
 
 
 def test_an_abort_written_while_no_scheduler_runs_is_applied_by_the_next_one(redis_url, stack_factory):

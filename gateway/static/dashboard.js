@@ -117,6 +117,7 @@
       ["TPOT p50 / p99", `${fmt(last(g.tpot_p50), 3)} / ${fmt(last(g.tpot_p99), 3)} s`],
       ["workers alive", `<span data-count="workers-alive">${state.workers_alive.length}</span>`],
     ].map(([k, v]) => `${k} <b>${v}</b>`).join(" · ");
+    renderTenants(snap ? snap.tenants : []);
     const now = state.time;
     chart($("chart-requests"), now, [{ label: "requests/s", time: g.time, values: g.requests_per_s }]);
     chart($("chart-tokens"), now, [{ label: "tokens/s", time: tokens.time, values: tokens.values }]);
@@ -126,6 +127,18 @@
                                  { label: "p99", time: g.time, values: g.tpot_p99 }]);
     chart($("chart-workers"), now, [{ label: "workers", time: snap ? snap.history_time : [],
                                       values: snap ? snap.history_workers : [] }]);
+  }
+
+  function renderTenants(tenants) {
+    // Each tenant's share of the tokens computed in the last minute, with its running and waiting work.
+    const total = tenants.reduce((sum, t) => sum + t.tokens_last_minute, 0);
+    const el = $("tenant-shares");
+    el.hidden = tenants.length < 2;
+    el.innerHTML = tenants.map((t) => {
+      const share = total ? `${Math.round((100 * t.tokens_last_minute) / total)} %` : "–";
+      return `<span data-tenant="${escape(t.tenant)}">${escape(t.tenant)} <b data-share>${share}</b> ` +
+        `<small>${t.running_seqs} running · ${t.waiting} waiting</small></span>`;
+    }).join(" · ");
   }
 
   function clusterTokens(snap) {

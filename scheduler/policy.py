@@ -1,0 +1,94 @@
+"""The scheduling policies (`settings.scheduling_policy`): the order in which a worker's scheduler admits its
+preempted and waiting requests.
+
+- `fcfs`: preempted requests first, then waiting ones, each in arrival order.
+- `priority`: both together, by the request's priority (lower first), then arrival; requests carry that rank, so
+  running ones are planned and preempted by it too, and a request that outranks the last running one preempts it
+  to be admitted (scheduler/worker_scheduler.py).
+- `fair`: each time the first request (preempted before waiting) of the tenant whose virtual token counter is least
+  (scheduler/ledger.py; on a tie, the one using less of the worker's batch), the counters read again after every
+  admission. A request that does not fit preempts the latest request of the tenant furthest over its weighted share
+  of the worker's sequences, when its own tenant is within its share once seated: without that a light tenant's
+  request waits for a heavy one to finish, however low its counter. Shares, not counters, decide it, and the
+  victim's tenant was over its share, so it cannot preempt back: two tenants never preempt each other back and forth.
+
+A policy's `victim(ws, head)` names the running request to preempt so that `head`, the first to admit, fits, or
+None: then `head` waits.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from operator import attrgetter
+from typing import TYPE_CHECKING, Iterator
+
+from scheduler.ledger import Ledger
+from scheduler.request import RequestState
+
+if TYPE_CHECKING:  # a policy reads its scheduler's queues: a type only, never an import cycle at run time
+    from scheduler.worker_scheduler import WorkerScheduler
+
+RANK = attrgetter("rank")
+
+
+class Fcfs:
+    def order(self, ws: WorkerScheduler) -> Iterator[RequestState]:
+        yield from list(ws.preempted)
+        yield from list(ws.waiting)
+
+    def victim(self, ws: WorkerScheduler, head: RequestState) -> RequestState | None:
+        return None
+
+
+class Priority:
+    def order(self, ws: WorkerScheduler) -> Iterator[RequestState]:
+        yield from heapq.merge(list(ws.preempted), list(ws.waiting), key=RANK)
+
+    def victim(self, ws: WorkerScheduler, head: RequestState) -> RequestState | None:
+        last = ws.running[-1]
+        return last if last.rank[0] > head.rank[0] else None
+
+
+class Fair:
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+
+    def order(self, ws: WorkerScheduler) -> Iterator[RequestState]:
+        by_tenant: dict[str, deque[RequestState]] = {}
+        for rs in (*ws.preempted, *ws.waiting):
+            by_tenant.setdefault(rs.req.tenant.name, deque()).append(rs)
+        counter, use = self.ledger.counter, _seat_use(ws)
+        while by_tenant:
+            # A tenant back from idle starts level with the busy ones: the one using less of the batch goes first.
+            name = min(by_tenant, key=lambda t: (counter(t), use.get(t, 0.0), by_tenant[t][0].rank))
+            queue = by_tenant[name]
+            yield queue.popleft()
+            if not queue:
+                del by_tenant[name]
+
+    def victim(self, ws: WorkerScheduler, head: RequestState) -> RequestState | None:
+        weights = {rs.req.tenant.name: rs.req.tenant.weight for rs in (*ws.running, *ws.preempted, *ws.waiting)}
+        share = ws.settings.max_num_seqs / sum(weights.values())  # seats per unit of weight
+        use = _seat_use(ws)
+        tenant = head.req.tenant
+        over = [rs for rs in ws.running if use[rs.req.tenant.name] > share]
+        if use.get(tenant.name, 0.0) + len(head.live_samples) / tenant.weight > share or not over:
+            return None  # seated, its tenant would be over its share too
+        return max(over, key=lambda rs: (use[rs.req.tenant.name], rs.rank))
+
+
+def _seat_use(ws: WorkerScheduler) -> dict[str, float]:
+    """Each tenant's running sequences on the worker over its weight."""
+    use: dict[str, float] = {}
+    for rs in ws.running:
+        tenant = rs.req.tenant
+        use[tenant.name] = use.get(tenant.name, 0.0) + len(rs.live_samples) / tenant.weight
+    return use
+
+
+def policy_for(name: str, ledger: Ledger) -> Fcfs | Priority | Fair:
+    if name == "priority":
+        return Priority()
+    if name == "fair":
+        return Fair(ledger)
+    return Fcfs()
