@@ -115,7 +115,7 @@ def say(message: str) -> None:
 
 def redact(url: str) -> str:
     """`url` with its password, if any, replaced by `***`: for messages."""
-    return re.sub(r"^(\w+://[^/@]*?:)[^/@]*@", r"\1***@", url)
+    return re.sub(r"^([\w+]+://[^/@]*?:)[^/@]*@", r"\1***@", url)
 
 
 def settings_env(settings: Settings) -> dict[str, str]:
@@ -321,8 +321,10 @@ def _quoted(value: str) -> str:
 def _redis_answers(url: str) -> bool:
     import redis
 
+    from shared.bus import connect
+
     try:
-        return bool(redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1).ping())
+        return bool(connect(url, timeout=1.0, retries=0).ping())
     except (redis.RedisError, OSError):
         return False
 
@@ -356,10 +358,12 @@ class Readiness:
     def check(self, children: list[Child]) -> Observed:
         import redis
 
+        from shared.bus import connect
+
         ready: set[str] = set()
         on_redis = [c for c in children if c.spec.kind in ("redis", "scheduler", "worker")]
         try:
-            client = redis.Redis.from_url(self.redis_url, socket_timeout=1, socket_connect_timeout=1)
+            client = connect(self.redis_url, timeout=1.0, retries=0)
             with client:
                 pipe = client.pipeline(transaction=False)
                 for child in on_redis:

@@ -1,4 +1,5 @@
-"""Redis connections for the services: the timeouts, retries and backoff every service uses.
+"""Redis connections for the services: the timeouts, retries and backoff every service uses, to one server or to
+the master Redis Sentinel names (shared/redis_target.py), followed across a failover and logged when it moves.
 
 Blocking stream reads get their own client whose socket timeout outlasts the block time: redis-py 8
 defaults `socket_timeout` to 5 s, which would cut a longer XREAD short. A client given `max_connections`
@@ -16,10 +17,13 @@ from typing import Awaitable, Callable, TypeVar
 
 import redis
 import redis.asyncio
+import redis.asyncio.sentinel
+import redis.sentinel
 from redis.backoff import ExponentialBackoff
 
 from shared.keys import FIELD, Keys
 from shared.protocol import Message, ProtocolError, decode
+from shared.redis_target import SentinelTarget, sentinel_target
 
 BLOCK_MS = 1000  # longest blocking read; services wake at least this often to check their state
 _TIMEOUT = 5.0
@@ -29,26 +33,81 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def _options(blocking: bool) -> dict:
-    return dict(socket_timeout=_TIMEOUT + (BLOCK_MS / 1000 if blocking else 0), socket_connect_timeout=_TIMEOUT,
+def _options(blocking: bool, timeout: float = _TIMEOUT) -> dict:
+    return dict(socket_timeout=timeout + (BLOCK_MS / 1000 if blocking else 0), socket_connect_timeout=timeout,
                 health_check_interval=10, retry_on_error=[redis.ConnectionError, redis.TimeoutError])
 
 
-def connect(url: str, *, blocking: bool = False) -> redis.Redis:
+def connect(url: str, *, blocking: bool = False, timeout: float = _TIMEOUT, retries: int = 3) -> redis.Redis:
+    """A client of the Redis `url` names: one server, or the master a `redis+sentinel://` URL's Sentinels name
+    (a probe passes a short `timeout` and no `retries`)."""
     from redis.retry import Retry
 
-    return redis.Redis.from_url(url, retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3), **_options(blocking))
+    options = dict(retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries), **_options(blocking, timeout))
+    target = sentinel_target(url)
+    if target is None:
+        return redis.Redis.from_url(url, **options)
+    from redis.sentinel import Sentinel
+
+    return Sentinel(_addresses(target), sentinel_kwargs=_sentinel_options(target)).master_for(
+        target.master, connection_class=_FollowingConnection, password=target.password, db=target.db, **options)
 
 
 def connect_async(url: str, *, blocking: bool = False, max_connections: int | None = None) -> redis.asyncio.Redis:
+    """As `connect`, for asyncio; `max_connections` bounds a single server's pool (a Sentinel target's pool is
+    redis-py's own, which has no waiting bound)."""
     from redis.asyncio.retry import Retry
 
     options = dict(retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3), **_options(blocking))
+    target = sentinel_target(url)
+    if target is not None:
+        from redis.asyncio.sentinel import Sentinel
+
+        return Sentinel(_addresses(target), sentinel_kwargs=_sentinel_options(target)).master_for(
+            target.master, connection_class=_FollowingAsyncConnection, password=target.password, db=target.db,
+            **options)
     if max_connections is None:
         return redis.asyncio.Redis.from_url(url, **options)
     pool = redis.asyncio.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=POOL_WAIT_S,
                                                          **options)
     return redis.asyncio.Redis.from_pool(pool)
+
+
+def _addresses(target: SentinelTarget) -> list[tuple[str, int]]:
+    return [(e.host, e.port) for e in target.sentinels]
+
+
+def _sentinel_options(target: SentinelTarget) -> dict:
+    return dict(socket_timeout=_TIMEOUT, socket_connect_timeout=_TIMEOUT, password=target.sentinel_password)
+
+
+def _said_master(pool, address: tuple[str, int]) -> None:
+    """Log the master the Sentinels name when it is not the one the client connected to before: a failover."""
+    before = getattr(pool, "followed_master", None)  # on redis-py's pool (or its proxy): one per client
+    if address != before:
+        if before is not None:
+            log.warning("Redis master %s moved from %s:%s to %s:%s (a Sentinel failover); following it",
+                        pool.service_name, *before, *address)
+        pool.followed_master = address
+
+
+class _FollowingConnection(redis.sentinel.SentinelManagedConnection):
+    def connect_to(self, address):
+        super().connect_to(address)
+        _said_master(self.connection_pool, address)
+
+    def send_packed_command(self, command, check_health=True):
+        # A connection the caller holds (the worker's plan reader and step publisher) connects on its first send,
+        # and redis-py's send connects to the default host, not the master: ask the Sentinels first.
+        if self._sock is None:
+            self.connect()
+        super().send_packed_command(command, check_health)
+
+
+class _FollowingAsyncConnection(redis.asyncio.sentinel.SentinelManagedConnection):
+    async def connect_to(self, address):
+        await super().connect_to(address)
+        _said_master(self.connection_pool, address)
 
 
 @dataclass(slots=True)

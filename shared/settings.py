@@ -70,7 +70,8 @@ class Settings:
     async_scheduling: bool = _opt(True, "plan a worker's next step while it computes the current one, so that "
                                   "it never waits for the scheduler")
     # services and bus
-    redis_url: str = _opt("redis://127.0.0.1:6379/0", "Redis server the services meet on")
+    redis_url: str = _opt("redis://127.0.0.1:6379/0", "Redis server the services meet on; redis+sentinel://"
+                          "[:PASSWORD@]HOST:PORT[,...]/MASTER[/DB] follows the master Redis Sentinel names")
     worker_id: str = _opt("", "this worker's id; empty = host name + pid")
     heartbeat_ttl: float = _opt(5.0, "seconds a worker stays alive without refreshing its heartbeat")
     request_timeout: float = _opt(600.0, "seconds a request may wait with no worker before it fails")
