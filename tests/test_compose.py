@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -243,3 +244,80 @@ def test_the_gateway_and_the_scheduler_run_one_scheduling_policy_and_the_gateway
     services = resolved({"REDIS_PASSWORD": PASSWORD, "PAGEDSERVE_API_KEYS": "/models/keys.toml"})["services"]
     assert services["gateway"]["environment"]["PAGEDSERVE_API_KEYS"] == "/models/keys.toml"
     assert any(v.endswith(":/models:ro") for v in services["gateway"]["volumes"])  # where that file is mounted
+
+
+# ---- the Sentinel override ------------------------------------------------------------------------------------
+def merged(env: dict[str, str], *names: str) -> dict:
+    """The files merged as `docker compose -f A -f B` does for these keys: mappings deep, anything else replaced."""
+    def merge(base, over):
+        if isinstance(base, dict) and isinstance(over, dict):
+            return {k: merge(base[k], v) if k in base else v for k, v in over.items()} | \
+                {k: v for k, v in base.items() if k not in over}
+        return over
+    spec: dict = {}
+    for name in names:
+        spec = merge(spec, resolved(env, name))
+    return spec
+
+
+def test_the_sentinel_override_points_every_service_at_the_sentinels_master_and_waits_for_them():
+    from shared.redis_target import Endpoint, sentinel_target
+
+    spec = merged({"REDIS_PASSWORD": PASSWORD}, "docker-compose.yml", "docker-compose.sentinel.yml")
+    services = spec["services"]
+    sentinels = {name for name in services if name.startswith("sentinel-")}
+    assert sentinels == {"sentinel-1", "sentinel-2", "sentinel-3"} and "redis-replica" in services
+    for name in SERVICES:
+        target = sentinel_target(services[name]["environment"]["PAGEDSERVE_REDIS_URL"])
+        assert target.sentinels == tuple(Endpoint(s, 26379) for s in sorted(sentinels))
+        assert (target.master, target.password) == ("pagedserve", PASSWORD)
+        assert {s for s, c in services[name]["depends_on"].items() if c["condition"] == "service_healthy"} \
+            == sentinels | {"redis"}
+    for service in services.values():
+        assert PASSWORD not in " ".join(service.get("command", []))
+
+
+def _server(binary: str, config: Path, port: int, workdir: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([binary, str(config), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
+                             *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def test_the_sentinel_overrides_replica_and_sentinel_configs_work_on_real_servers(tmp_path):
+    """The replica logs in to the master and copies it, and a Sentinel logs in and watches it, each run from the
+    override's own config (its hostnames and ports swapped for local ones)."""
+    binary = shutil.which("redis-server")
+    configs = merged({"REDIS_PASSWORD": PASSWORD}, "docker-compose.yml", "docker-compose.sentinel.yml")["configs"]
+    master_port, replica_port, sentinel_port = free_port(), free_port(), free_port()
+    here = f"127.0.0.1 {master_port}"
+    files = {}
+    for name, text in (("master", configs["redis-conf"]["content"]),
+                       ("replica", configs["redis-replica-conf"]["content"].replace("redis 6379", here)),
+                       ("sentinel", configs["sentinel-conf"]["content"].replace("redis 6379", here)
+                        .replace("port 26379", f"port {sentinel_port}"))):
+        (tmp_path / name).mkdir()
+        files[name] = tmp_path / name / f"{name}.conf"
+        files[name].write_text(text)
+    procs = [_server(binary, files["master"], master_port, tmp_path / "master")]
+    try:
+        wait_ready(f"redis://:{PASSWORD}@127.0.0.1:{master_port}/0")
+        procs.append(_server(binary, files["replica"], replica_port, tmp_path / "replica"))
+        procs.append(subprocess.Popen([binary, str(files["sentinel"]), "--sentinel"], cwd=tmp_path / "sentinel",
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        wait_ready(f"redis://:{PASSWORD}@127.0.0.1:{replica_port}/0")
+        redis.Redis(port=master_port, password=PASSWORD).set("written", "on the master")
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                copied = redis.Redis(port=replica_port, password=PASSWORD).get("written")
+                watched = redis.Redis(port=sentinel_port, socket_timeout=2).sentinel_master("pagedserve")
+            except redis.ConnectionError:
+                copied = watched = None
+            if copied and watched and watched["num-slaves"] == 1 and "s_down" not in watched["flags"]:
+                break
+            assert time.monotonic() < deadline, f"replica {copied!r}, sentinel {watched!r}"
+            time.sleep(0.1)
+        assert copied == b"on the master"
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(10)
