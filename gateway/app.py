@@ -191,7 +191,7 @@ async def metrics(request: web.Request) -> web.Response:
     except BUS_ERRORS as e:
         log.warning("metrics without the scheduler's snapshot: %s", e)
         stats, alive = None, 0
-    body = gw.metrics.render(stats, alive, gw.admission.waiting)
+    body = gw.metrics.render(stats, alive, gw.admission.waiting, gw.bus.failovers_followed())
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 

@@ -13,7 +13,8 @@ from typing import TypeVar
 from gateway.records import CallRecord, ResponseRecord, request_id
 
 from shared.bus import (
-    BLOCK_MS, RECONNECT_ERRORS, Backoff, connect_async, decode_payload, read_registry, registry_query, retry_async,
+    BLOCK_MS, RECONNECT_ERRORS, Backoff, connect_async, decode_payload, failovers_followed_by, read_registry,
+    registry_query, retry_async,
 )
 from shared.keys import CONTROL_MAXLEN, FIELD, Keys
 from shared.protocol import Abort, Assignment, ProtocolError, Request, SchedulerStats, TokenOutput, decode, encode
@@ -93,6 +94,11 @@ class Bus:
         # Set by `close`: the loops end on it even where a Redis call they were in swallowed their cancellation
         # (redis-py's does now and then), which would otherwise keep them, and the gateway's shutdown, going.
         self.closed = asyncio.Event()
+
+    def failovers_followed(self) -> int:
+        """Redis master moves (Sentinel failovers) this gateway's clients followed: the most either one saw."""
+        return max(failovers_followed_by(self.client.connection_pool),
+                   failovers_followed_by(self.reader.connection_pool))
 
     def start(self) -> None:
         """Start this gateway's heartbeat: refreshed every heartbeat_ttl/4 until `close`. While the key exists,

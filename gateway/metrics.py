@@ -50,6 +50,17 @@ class SchedulerCollector:
             yield metric
 
 
+class BusCollector:
+    """The Redis failovers (Sentinel moving the master) that this gateway's client followed."""
+
+    def __init__(self) -> None:
+        self.failovers = 0
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily("pagedserve_redis_failovers", "Redis master moves (Sentinel failovers) this "
+                                  "gateway's client followed", value=self.failovers)
+
+
 # Per worker, from the scheduler's snapshot: (name, family, help, value).
 PER_WORKER: list[tuple[str, type, str, Callable[[WorkerStats], float]]] = [
     ("pagedserve_kv_cache_usage_perc", GaugeMetricFamily, "share of KV blocks in use (0-1)",
@@ -101,9 +112,13 @@ class Metrics:
         self.workers_alive = Gauge("pagedserve_workers_alive", "workers with a fresh heartbeat", registry=r)
         self.scheduler = SchedulerCollector()
         r.register(self.scheduler)
+        self.bus = BusCollector()
+        r.register(self.bus)
 
-    def render(self, stats: SchedulerStats | None, workers_alive: int, gateway_waiting: int) -> bytes:
+    def render(self, stats: SchedulerStats | None, workers_alive: int, gateway_waiting: int,
+               redis_failovers: int) -> bytes:
         self.scheduler.stats = stats
+        self.bus.failovers = redis_failovers
         self.workers_alive.set(workers_alive)
         self.waiting.set(gateway_waiting)
         return generate_latest(self.registry)

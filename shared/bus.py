@@ -88,7 +88,13 @@ def _said_master(pool, address: tuple[str, int]) -> None:
         if before is not None:
             log.warning("Redis master %s moved from %s:%s to %s:%s (a Sentinel failover); following it",
                         pool.service_name, *before, *address)
+            pool.failovers = failovers_followed_by(pool) + 1
         pool.followed_master = address
+
+
+def failovers_followed_by(pool) -> int:
+    """How often the clients of this connection pool have followed the master to a new address (0 for one server)."""
+    return getattr(pool, "failovers", 0)
 
 
 class _FollowingConnection(redis.sentinel.SentinelManagedConnection):

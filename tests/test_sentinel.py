@@ -6,13 +6,14 @@ import asyncio
 import logging
 import random
 import time
+import urllib.request
 
 import pytest
 import redis
 from redis_harness import SentinelTopology, free_port
 
 from pagedserve.launcher import _redis_answers, redact
-from shared.bus import connect, connect_async
+from shared.bus import connect, connect_async, failovers_followed_by
 from shared.redis_target import Endpoint, RedisTargetError, SentinelTarget, sentinel_target
 
 pytestmark = pytest.mark.redis
@@ -104,6 +105,7 @@ def test_an_asyncio_client_follows_a_failover_too(topology):
                 await asyncio.sleep(0.05)
         await client.set("k2", "v2")
         assert redis.Redis(port=new).get("k2") == b"v2"
+        assert failovers_followed_by(client.connection_pool) == 1
         await client.aclose()
         return value
 
@@ -151,11 +153,15 @@ def test_greedy_streams_run_on_unchanged_through_the_masters_sigkill_twice_in_a_
             results.append(asyncio.run(streams_through_a_failover(up, topology, prompts)))
             if i == 0:
                 topology.bring_back(int(results[0][-1].split()[1]))
+        with urllib.request.urlopen(up.url + "/metrics", timeout=10) as resp:
+            metrics = resp.read().decode()
     finally:
         up.stop()
     print("\nfailovers under load: " + "; ".join(r[-1] for r in results))
     for prompts, texts in zip(phases, results):
         assert texts[:-1] == greedy_oracle(tiny_model_dir, prompts)
+    assert "pagedserve_redis_failovers_total 2.0" in metrics
+    assert up.log().count("(a Sentinel failover); following it") >= 2 * 4, "every service said so, each time"
 
 
 async def streams_through_a_failover(up, topology: SentinelTopology, prompts: list[list[int]]) -> list:
