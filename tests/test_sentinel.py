@@ -142,8 +142,8 @@ def engine_oracle(model_dir, batch: list[list[int]], seeded: bool) -> list[str]:
 def test_streams_run_on_unchanged_through_the_masters_sigkill_twice_in_a_row(topology, tiny_model_dir, tmp_path):
     """The stack on `redis+sentinel://`: 12 greedy streams while the master is SIGKILLed, then, once the old master
     is back as a replica, 12 seeded sampled ones while the new master is. Every stream is the in-process engine's,
-    token for token. (Replication is asynchronous: this shows the services follow the failover; it does not prove that no
-    acknowledged write can be lost, see the README.)"""
+    token for token. (Replication is asynchronous: this shows the services follow the failover; it does not prove
+    that no acknowledged write can be lost, see the README.)"""
     from up_harness import UpProcess
 
     up = UpProcess.start(["--workers", "2", "--model", str(tiny_model_dir), "--port", str(free_port()),
@@ -188,7 +188,8 @@ async def streams_through_a_failover(up, topology: SentinelTopology, prompts: li
         while not all(c >= 2 for c in chunks) and not any(t.done() for t in tasks):
             await asyncio.sleep(0.02)
     await asyncio.wait_for(begun(), 120)
-    assert not any(t.done() for t in tasks), f"the fault must land mid-stream: {[t.exception() for t in tasks if t.done()]}"
+    ended = [t.exception() for t in tasks if t.done()]
+    assert not ended, f"the fault must land mid-stream: {ended}"
     old = topology.kill_master()
     killed = time.monotonic()
     new = await asyncio.to_thread(topology.wait_failover, old)
