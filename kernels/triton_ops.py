@@ -64,6 +64,28 @@ def launch_config(num_tokens: int, num_seqs: int, num_kv_heads: int, queries_per
                            num_splits=num_splits, num_warps=8 if big else 4, num_stages=2 if big else 3)
 
 
+# Each kernel's compile-time constants, from shapes alone: the launches below and tests/triton_compile.py (which
+# compiles them for a GPU target with no GPU) take them from here.
+def store_kv_constants(num_heads: int, head_dim: int, block_size: int) -> dict:
+    return dict(NUM_HEADS=num_heads, HEADS_P=triton.next_power_of_2(num_heads), HEAD_DIM=head_dim,
+                HEAD_DIM_P=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size)
+
+
+def attention_constants(cfg: AttentionLaunch, qpk: int, head_dim: int, block_size: int, dtype: torch.dtype) -> dict:
+    return dict(QPK=qpk, HEAD_DIM=head_dim, HEAD_DIM_P=cfg.head_dim_p, BLOCK_SIZE=block_size, BLOCK_M=cfg.block_m,
+                BLOCK_Q=cfg.block_q, TILE_N=cfg.tile_n, NUM_SPLITS=cfg.num_splits,
+                # float32 models (the transformers-parity runs) must not lose precision to TF32 dots
+                DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
+
+
+def reduce_constants(cfg: AttentionLaunch, head_dim: int) -> dict:
+    return dict(HEAD_DIM=head_dim, HEAD_DIM_P=cfg.head_dim_p, NUM_SPLITS=cfg.num_splits)
+
+
+def copy_blocks_constants(block_numel: int) -> dict:
+    return dict(BLOCK_NUMEL=block_numel, CHUNK=min(COPY_CHUNK, triton.next_power_of_2(block_numel)))
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -114,8 +136,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        NUM_HEADS=num_heads, HEADS_P=triton.next_power_of_2(num_heads), HEAD_DIM=head_dim,
-        HEAD_DIM_P=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size)
+        **store_kv_constants(num_heads, head_dim, block_size))
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -173,16 +194,12 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
-        QPK=qpk, HEAD_DIM=head_dim, HEAD_DIM_P=cfg.head_dim_p, BLOCK_SIZE=block_size,
-        BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, TILE_N=cfg.tile_n, NUM_SPLITS=cfg.num_splits,
-        # float32 models (the transformers-parity runs) must not lose precision to TF32 dots
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        **attention_constants(cfg, qpk, head_dim, block_size, query.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.num_splits > 1:
         reduce_splits_kernel[(num_tokens, num_q_heads)](
             out, split_acc, split_max, split_sum, query_start_loc,
-            num_seqs, num_q_heads, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_P=cfg.head_dim_p, NUM_SPLITS=cfg.num_splits)
+            num_seqs, num_q_heads, out.stride(0), out.stride(1), **reduce_constants(cfg, head_dim))
     return out
 
 
@@ -214,7 +231,6 @@ def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor]
             raise ValueError(f"copy destinations must be distinct and not sources, got {block_mapping.tolist()}")
     mapping = block_mapping.to(device=first.device, dtype=torch.int64).contiguous()
     addresses = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64, device=first.device)
-    block_numel = first[0].numel()
-    chunk = min(COPY_CHUNK, triton.next_power_of_2(block_numel))
-    copy_blocks_kernel[(mapping.shape[0], len(caches), triton.cdiv(block_numel, chunk))](
-        addresses, first, mapping, first.stride(0), BLOCK_NUMEL=block_numel, CHUNK=chunk)
+    constants = copy_blocks_constants(first[0].numel())
+    copy_blocks_kernel[(mapping.shape[0], len(caches), triton.cdiv(constants["BLOCK_NUMEL"], constants["CHUNK"]))](
+        addresses, first, mapping, first.stride(0), **constants)

@@ -57,7 +57,8 @@ class Fair:
         by_tenant: dict[str, deque[RequestState]] = {}
         for rs in (*ws.preempted, *ws.waiting):
             by_tenant.setdefault(rs.req.tenant.name, deque()).append(rs)
-        counter, use = self.ledger.counter, _seat_use(ws)
+        counter = self.ledger.counter
+        use = _seat_use(ws) if len(by_tenant) > 1 else {}  # a tie-break: no walk of the batch for one tenant
         while by_tenant:
             # A tenant back from idle starts level with the busy ones: the one using less of the batch goes first.
             name = min(by_tenant, key=lambda t: (counter(t), use.get(t, 0.0), by_tenant[t][0].rank))

@@ -1,6 +1,6 @@
 """Compile every Triton kernel to machine code for a CUDA target with no GPU present, with the constants
-kernels/triton_ops.py launches them with; the interpreter the kernel tests run under accepts code that the
-compiler refuses (a plain Python global inside a kernel, say). Run without TRITON_INTERPRET:
+kernels/triton_ops.py launches them with (its *_constants); the interpreter the kernel tests run under accepts
+code that the compiler refuses (a plain Python global inside a kernel, say). Run without TRITON_INTERPRET:
 
     python tests/triton_compile.py 90          # Hopper (sm_90): two shapes, bfloat16 and float32 (tests/test_kernels.py)
     python tests/triton_compile.py 90 --all    # every shape and dtype of benchmarks/kernels_gpu.py (a few minutes)
@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -17,7 +18,9 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kernels import triton_attention, triton_cache  # noqa: E402
-from kernels.triton_ops import COPY_CHUNK, launch_config  # noqa: E402
+from kernels.triton_ops import (  # noqa: E402
+    attention_constants, copy_blocks_constants, launch_config, reduce_constants, store_kv_constants,
+)
 
 NUM_SMS = 132  # an H100/H200's: what the split heuristic sees on that chip
 # head_dim, queries per KV head, KV heads, block size: the kernel checks' shapes (benchmarks/kernels_gpu.py)
@@ -53,27 +56,21 @@ def main(arch: int, everything: bool) -> int:
             **dict.fromkeys(["out_ptr", "query_ptr", "key_cache_ptr", "value_cache_ptr"], f"*{t}"),
             **dict.fromkeys(["split_acc_ptr", "split_max_ptr", "split_sum_ptr"], "*fp32"),
             "scale": "fp32", "block_tables_ptr": "*i32", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32"},
-            dict(QPK=qpk, HEAD_DIM=head_dim, HEAD_DIM_P=cfg.head_dim_p, BLOCK_SIZE=block_size, BLOCK_M=cfg.block_m,
-                 BLOCK_Q=cfg.block_q, TILE_N=cfg.tile_n, NUM_SPLITS=cfg.num_splits,
-                 DOT_PRECISION="ieee" if dtype == "float32" else "tf32"))
+            attention_constants(cfg, qpk, head_dim, block_size, getattr(torch, dtype)))
         if cfg.num_splits > 1:
             compile_kernel(triton_attention.reduce_splits_kernel, target, {
                 "out_ptr": f"*{t}", "split_acc_ptr": "*fp32", "split_max_ptr": "*fp32", "split_sum_ptr": "*fp32",
-                "query_start_loc_ptr": "*i32"},
-                dict(HEAD_DIM=head_dim, HEAD_DIM_P=cfg.head_dim_p, NUM_SPLITS=cfg.num_splits))
+                "query_start_loc_ptr": "*i32"}, reduce_constants(cfg, head_dim))
         print(f"attention {dtype} head_dim {head_dim} qpk {qpk} block {block_size} {cfg}", flush=True)
     for dtype in dtypes:
         t = DTYPES[dtype]
         for head_dim, _, kv_heads, block_size in shapes:
             compile_kernel(triton_cache.store_kv_kernel, target, {
                 **dict.fromkeys(["key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr"], f"*{t}"),
-                "slot_mapping_ptr": "*i64"},
-                dict(NUM_HEADS=kv_heads, HEADS_P=triton.next_power_of_2(kv_heads), HEAD_DIM=head_dim,
-                     HEAD_DIM_P=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size))
-            numel = block_size * kv_heads * head_dim
+                "slot_mapping_ptr": "*i64"}, store_kv_constants(kv_heads, head_dim, block_size))
             compile_kernel(triton_cache.copy_blocks_kernel, target, {
                 "cache_ptrs_ptr": "*i64", "like_ptr": f"*{t}", "block_mapping_ptr": "*i64", "block_stride": "i64"},
-                dict(BLOCK_NUMEL=numel, CHUNK=min(COPY_CHUNK, triton.next_power_of_2(numel))))
+                copy_blocks_constants(block_size * kv_heads * head_dim))
         print(f"store_kv and copy_blocks {dtype}", flush=True)
     return 0
 
