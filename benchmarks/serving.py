@@ -51,6 +51,14 @@ class RequestOutput:
     latency: float = 0.0  # seconds from send to the end of the stream
     itl: list[float] = field(default_factory=list)  # gaps between successive token chunks
     error: str = ""
+    sent: float = 0.0  # time.perf_counter() when it was sent
+
+    def chunk_times(self) -> list[float]:
+        """When each token chunk came, on time.perf_counter()'s clock."""
+        times = [self.sent + self.ttft]
+        for gap in self.itl:
+            times.append(times[-1] + gap)
+        return times if self.ttft else []
 
 
 @dataclass(slots=True)
@@ -68,7 +76,7 @@ async def send_completion(session: aiohttp.ClientSession, endpoint: Endpoint, re
     chunks = 0
     usage_tokens: int | None = None
     done = False
-    start = last = time.perf_counter()
+    start = last = out.sent = time.perf_counter()
     try:
         async with session.post(endpoint.completions_url, json=payload, headers=endpoint.headers) as resp:
             if resp.status != 200:

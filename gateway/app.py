@@ -25,6 +25,7 @@ from gateway.handlers import (
 from gateway.keys import KeyRing
 from gateway.metrics import CONTENT_TYPE
 from gateway.model import ServedModel
+from gateway.replication import ReplicaGate
 from gateway.serving import BUS_ERRORS, REQUEST_ID, Gateway, Generation
 from shared.settings import Settings
 
@@ -191,7 +192,7 @@ async def metrics(request: web.Request) -> web.Response:
     except BUS_ERRORS as e:
         log.warning("metrics without the scheduler's snapshot: %s", e)
         stats, alive = None, 0
-    body = gw.metrics.render(stats, alive, gw.admission.waiting, gw.bus.failovers_followed())
+    body = gw.metrics.render(stats, alive, gw.admission.waiting, gw.bus.failovers_followed(), gw.bus.gate.shortfalls)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
@@ -249,7 +250,8 @@ async def create_app(settings: Settings, model: ServedModel | None = None) -> we
     if model is None:
         model = await asyncio.to_thread(ServedModel.load, settings)
     log.info("serving %s (max_model_len %d) from %s", model.name, model.max_model_len, model.path)
-    bus = Bus(settings.redis_url, settings.redis_max_connections, settings.heartbeat_ttl)
+    bus = Bus(settings.redis_url, settings.redis_max_connections, settings.heartbeat_ttl,
+              ReplicaGate(settings.replica_acks, int(settings.replica_ack_timeout * 1000)))
     admission = Admission(settings.max_waiting_requests, settings.max_call_tokens)
     return build_app(Gateway(settings, model, bus, admission, KeyRing(settings)))
 

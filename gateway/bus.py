@@ -8,9 +8,10 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Awaitable, Callable, TypeVar
 
 from gateway.records import CallRecord, ResponseRecord, request_id
+from gateway.replication import ReplicaGate
 
 from shared.bus import (
     BLOCK_MS, RECONNECT_ERRORS, Backoff, connect_async, decode_payload, failovers_followed_by, read_registry,
@@ -72,17 +73,22 @@ class Bus:
     """The gateway's bus. One task reads every followed token stream with one blocking XREAD (one Redis
     connection however many requests stream) and routes each entry to its request's queue; a submission
     also writes this gateway's wake stream, which that XREAD includes, so new streams join it at once.
-    Everything else shares a pool of at most `max_connections`, where a burst waits for a free one."""
+    Everything else shares a pool of at most `max_connections`, where a burst waits for a free one. What a client
+    is shown, and the writes it is told of, wait for the master's replicas (`gate`, gateway/replication.py)."""
 
-    def __init__(self, url: str, max_connections: int, heartbeat_ttl: float, keys: Keys | None = None) -> None:
+    def __init__(self, url: str, max_connections: int, heartbeat_ttl: float, gate: ReplicaGate,
+                 keys: Keys | None = None) -> None:
         self.keys = keys or Keys()
         self.heartbeat_ttl = heartbeat_ttl
+        self.alive_ttl_ms = max(int(heartbeat_ttl * 1000), 1)
+        self.gate = gate
         self.instance = uuid.uuid4().hex  # the requests' gateway_id; names this gateway's keys
         self.client = connect_async(url, max_connections=max_connections)
+        # The router's one connection: its reads and the replicas' wait meet one master (gateway/replication.py),
+        # and an XREAD reply is taken as Redis sends it (redis-py's parsing builds a dict per entry, then a list out
+        # of the reply's map, on every token).
         self.reader = connect_async(url, blocking=True)
-        # The XREAD reply as Redis sends it: redis-py's parsing builds a dict per entry, then a list out of the
-        # reply's map, on every token.
-        self.reader.set_response_callback("XREAD", lambda reply, **_: reply)
+        self.read_connection = self.reader.connection_pool.make_connection()
         # Stream names as bytes, as XREAD replies give them: nothing to encode or decode per read.
         self.wake_key = self.keys.gateway_wake(self.instance).encode()
         self.alive_key = self.keys.gateway_alive(self.instance)
@@ -118,15 +124,53 @@ class Bus:
         except RECONNECT_ERRORS:
             pass
         await self.client.aclose()
+        await self.read_connection.disconnect()
         await self.reader.aclose()
 
     async def _beat(self) -> None:
-        ttl_ms = max(int(self.heartbeat_ttl * 1000), 1)
         while not self.closed.is_set():  # waits out Redis restarts
-            await retry_async(lambda: self.client.set(self.alive_key, b"1", px=ttl_ms), "the gateway heartbeat",
-                              self.closed)
+            await retry_async(lambda: self.client.set(self.alive_key, b"1", px=self.alive_ttl_ms),
+                              "the gateway heartbeat", self.closed)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.closed.wait(), self.heartbeat_ttl / 4)
+
+    async def _durably(self, write: Callable[[], Awaitable[T]]) -> T:
+        """Run `write`, then wait until the replicas hold it; run it again if the master moved meanwhile, as the old
+        one may have lost it (every write passed here can be made twice)."""
+        if not self.gate.wanted:
+            return await write()
+        pool = self.client.connection_pool
+        while True:
+            moves = failovers_followed_by(pool)
+            result = await write()
+            conn = await pool.get_connection()
+            try:
+                await self._replicated(conn, [])
+            finally:
+                await pool.release(conn)
+            if failovers_followed_by(pool) == moves:
+                return result
+            log.info("the Redis master moved before its replicas held a write; writing it again")
+
+    async def _replicated(self, conn, commands: list[tuple], reuse: bool = False) -> list:
+        """The replies of `commands` on `conn`, once the master's replicas hold all they returned (and everything
+        written before): gateway/replication.py. A broken connection raises; the caller reads again. With `reuse`
+        (the router's steady state), the wait for as many replicas as the last ROLE named goes in the same round
+        trip, unless the connection is new (then its master may be a new one, with replicas of its own)."""
+        gate = self.gate
+        if not gate.wanted:
+            return await _run(conn, commands)
+        ahead = min(gate.wanted, max(gate.replicas, 0)) if reuse and conn.is_connected else 0
+        wait = [("SET", self.alive_key, b"1", "PX", self.alive_ttl_ms), ("WAIT", ahead, gate.timeout_ms)]
+        replies = await _run(conn, [*commands, ("ROLE",), *(wait if ahead else ())])
+        acks = replies[-1] if ahead else 0
+        required = gate.required(replies[len(commands)])
+        if required > ahead:  # the first read on this connection, or a replica more than the last ROLE named
+            wait[-1] = ("WAIT", required, gate.timeout_ms)
+            acks = (await _run(conn, wait[1:] if ahead else wait))[-1]
+        if required:
+            gate.waited(acks, required)
+        return replies[:len(commands)]
 
     def reader_token(self) -> str:
         """A token for one client connection of this gateway, for the reader keys of the requests it streams."""
@@ -135,7 +179,13 @@ class Bus:
     async def submit(self, requests: list[Request], resumable: Resumable | None = None,
                      stored: Stored | None = None) -> None:
         """Queue a call's requests (all of its prompts or none), with what makes its stream resumable and a stored
-        response's record: a record never names requests that were not queued."""
+        response's record: a record never names requests that were not queued. Queued twice after a failover, a
+        request runs once (the scheduler drops a second entry of a request it has)."""
+        await self._durably(lambda: self._queue(requests, resumable, stored))
+        if stored is not None:
+            await self._bound_store(stored)
+
+    async def _queue(self, requests: list[Request], resumable: Resumable | None, stored: Stored | None) -> None:
         async with self.client.pipeline(transaction=True) as pipe:
             for req in requests:
                 pipe.xadd(self.keys.requests, {FIELD: encode(req)})
@@ -155,8 +205,6 @@ class Bus:
             pipe.xadd(self.wake_key, {FIELD: b""}, maxlen=WAKE_MAXLEN, approximate=True)
             pipe.pexpire(self.wake_key, WAKE_TTL_MS)
             await pipe.execute()
-        if stored is not None:
-            await self._bound_store(stored)
 
     async def load_call(self, call_id: str) -> CallRecord | None:
         raw = await self.client.hgetall(self.keys.call(call_id))
@@ -197,41 +245,53 @@ class Bus:
 
     async def delete_response(self, response_id: str) -> None:
         """Forget a response (aborting its request, if it still runs)."""
-        async with self.client.pipeline(transaction=True) as pipe:
-            self._forget(pipe, response_id, "deleted")
-            await pipe.execute()
+        async def forget() -> None:
+            async with self.client.pipeline(transaction=True) as pipe:
+                self._forget(pipe, response_id, "deleted")
+                await pipe.execute()
+        await self._durably(forget)
 
     async def read_out(self, rid: str) -> list[TokenOutput | Assignment]:
         """A request's `out:` stream as it is now."""
         key = self.keys.out(rid)
-        entries = [decode_payload(key, entry_id, fields.get(FIELD_KEY), (TokenOutput, Assignment))
-                   for entry_id, fields in await self.client.xrange(key)]
+        pool = self.client.connection_pool
+        conn = await pool.get_connection()
+        try:
+            (reply,) = await self._replicated(conn, [("XRANGE", key, "-", "+")])
+        finally:
+            await pool.release(conn)
+        entries = [decode_payload(key, entry_id, _payload(fields), (TokenOutput, Assignment))
+                   for entry_id, fields in reply]
         return [e for e in entries if e is not None]
 
     async def take_up(self, rids: list[str], reader: str) -> bool:
         """Make `reader` the connection that streams these requests now; False if any has no reader key left (its
         stream expired)."""
-        async with self.client.pipeline(transaction=True) as pipe:
-            for rid in rids:
-                pipe.set(self.keys.reader(rid), reader, xx=True, keepttl=True)
-            return all(await pipe.execute())
+        async def take() -> bool:
+            async with self.client.pipeline(transaction=True) as pipe:
+                for rid in rids:
+                    pipe.set(self.keys.reader(rid), reader, xx=True, keepttl=True)
+                return all(await pipe.execute())
+        return await self._durably(take)
 
     async def end_call(self, call_id: str, ttl: float) -> None:
         """A call answered whole keeps its record as long as its requests' streams are kept."""
         await self.client.pexpire(self.keys.call(call_id), int(ttl * 1000))
 
     async def abort(self, rids: list[str], reason: str) -> None:
-        async with self.client.pipeline(transaction=False) as pipe:
-            for rid in rids:
-                pipe.xadd(self.keys.control, {FIELD: encode(Abort(rid, reason))}, maxlen=CONTROL_MAXLEN,
-                          approximate=True)
-            await pipe.execute()
+        async def write() -> None:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for rid in rids:
+                    pipe.xadd(self.keys.control, {FIELD: encode(Abort(rid, reason))}, maxlen=CONTROL_MAXLEN,
+                              approximate=True)
+                await pipe.execute()
+        await self._durably(write)
 
     async def release(self, rids: list[str], reader: str, reason: str) -> int:
         """Abort those of `rids` that `reader` still streams (no client took them up since); how many."""
         keys = [self.keys.control] + [self.keys.reader(rid) for rid in rids]
         args = [reader, CONTROL_MAXLEN, FIELD] + [encode(Abort(rid, reason)) for rid in rids]
-        return int(await self.client.eval(RELEASE, len(keys), *keys, *args))
+        return int(await self._durably(lambda: self.client.eval(RELEASE, len(keys), *keys, *args)))
 
     def follow(self, rid: str, queue: asyncio.Queue, tag: int) -> None:
         """Route every entry of `rid`'s stream, from its start, into `queue` as `(tag, entries)`, until
@@ -266,7 +326,9 @@ class Bus:
                 continue
             streams = {self.wake_key: self.wake_cursor} | {k: f.cursor for k, f in self.followed.items()}
             try:
-                reply = await self.reader.xread(streams, count=READ_COUNT, block=BLOCK_MS)
+                (reply,) = await self._replicated(self.read_connection, [
+                    ("XREAD", "COUNT", READ_COUNT, "BLOCK", BLOCK_MS, "STREAMS", *streams, *streams.values())],
+                    reuse=True)
             except RECONNECT_ERRORS as e:
                 delay = backoff.next()
                 log.warning("reading token streams failed (%s); retrying in %.2f s", e, delay)
@@ -312,6 +374,17 @@ class Bus:
             pipe.eval(*registry_query(self.keys))
             _, raw, registry = await pipe.execute()
         return raw, sorted(w for w, _, alive in read_registry(registry) if alive)
+
+
+async def _run(conn, commands: list[tuple]) -> list:
+    """`commands` in one round trip on `conn`, their replies in order; on any failure the connection is closed (its
+    replies may be half read) and the error raised."""
+    try:
+        await conn.send_packed_command(conn.pack_commands(commands))
+        return [await conn.read_response() for _ in commands]
+    except BaseException:
+        await conn.disconnect()
+        raise
 
 
 def _payload(fields: list | None) -> bytes | None:

@@ -51,14 +51,19 @@ class SchedulerCollector:
 
 
 class BusCollector:
-    """The Redis failovers (Sentinel moving the master) that this gateway's client followed."""
+    """The Redis failovers (Sentinel moving the master) that this gateway's client followed, and the waits for the
+    master's replicas that ended without them (gateway/replication.py)."""
 
     def __init__(self) -> None:
         self.failovers = 0
+        self.replica_shortfalls = 0
 
     def collect(self) -> Iterator[Metric]:
         yield CounterMetricFamily("pagedserve_redis_failovers", "Redis master moves (Sentinel failovers) this "
                                   "gateway's client followed", value=self.failovers)
+        yield CounterMetricFamily("pagedserve_redis_replica_shortfalls", "waits for the Redis replicas that timed "
+                                  "out, after which clients were shown what the replicas may not hold",
+                                  value=self.replica_shortfalls)
 
 
 # Per worker, from the scheduler's snapshot: (name, family, help, value).
@@ -116,9 +121,10 @@ class Metrics:
         r.register(self.bus)
 
     def render(self, stats: SchedulerStats | None, workers_alive: int, gateway_waiting: int,
-               redis_failovers: int) -> bytes:
+               redis_failovers: int, replica_shortfalls: int) -> bytes:
         self.scheduler.stats = stats
         self.bus.failovers = redis_failovers
+        self.bus.replica_shortfalls = replica_shortfalls
         self.workers_alive.set(workers_alive)
         self.waiting.set(gateway_waiting)
         return generate_latest(self.registry)

@@ -6,7 +6,7 @@ import logging
 
 import redis.asyncio
 
-from shared.bus import RECONNECT_ERRORS, Backoff
+from shared.bus import RECONNECT_ERRORS, Backoff, MasterMoved
 
 log = logging.getLogger("scheduler")
 # Renew the lease only while we still hold it (a plain SET could steal it back from a successor).
@@ -50,5 +50,5 @@ class Lease:
         try:
             if await self.client.get(self.key) == self.holder.encode():
                 await self.client.delete(self.key)
-        except RECONNECT_ERRORS:
+        except (*RECONNECT_ERRORS, MasterMoved):
             pass

@@ -26,7 +26,8 @@ from scheduler.request import FinishedRequest
 from scheduler.snapshot import CacheMonitor
 from scheduler.worker_scheduler import WorkerSchedulerFactory
 from shared.bus import (
-    BLOCK_MS, RECONNECT_ERRORS, Backoff, connect_async, decode_entry, read_registry, registry_query, retry_async,
+    BLOCK_MS, RECONNECT_ERRORS, Backoff, MasterMoved, acknowledge_move, connect_async, decode_entry, read_registry,
+    registry_query, retry_async,
 )
 from shared.keys import FIELD, PLANS_MAXLEN, Keys
 from shared.log import setup_logging
@@ -52,7 +53,8 @@ class SchedulerService:
         self.settings = settings
         self.keys = keys or Keys()
         self.name = f"scheduler-{socket.gethostname()}-{os.getpid()}"
-        self.client = connect_async(settings.redis_url)
+        # Fenced: after a failover nothing it writes may rest on what only the old master held (_follow_failover).
+        self.client = connect_async(settings.redis_url, fenced=True)
         self.worker_scheduler = worker_scheduler
         self.cluster = Cluster(settings, worker_scheduler=worker_scheduler)
         self.monitor = CacheMonitor()
@@ -66,7 +68,16 @@ class SchedulerService:
 
     # ---- start-up -------------------------------------------------------------------------
     async def _start(self) -> None:
-        await self.lease.acquire(self.stop_event)
+        try:
+            await self.lease.acquire(self.stop_event)
+            await self._load()
+        except MasterMoved:  # nothing rests on the old master yet: start again on the new one
+            acknowledge_move(self.client)
+            raise redis.ConnectionError("the Redis master moved while the scheduler started") from None
+
+    async def _load(self) -> None:
+        """Take up the work Redis holds: a new epoch, the registered workers, and every request left unfinished,
+        resumed from its `out:` stream."""
         # Above the last epoch, and above the wall clock in ms: were Redis to lose the counter (no AOF), a
         # restarted count would fall below the epoch the workers hold, and they would skip every plan.
         epoch = max(int(await self.client.incr(self.keys.epoch)), int(time.time() * 1000))
@@ -78,6 +89,33 @@ class SchedulerService:
         await self._recover_pending()
         log.info("scheduler %s ready (epoch %d, %d workers, %d resumed requests)", self.name, epoch,
                  len(self.cluster.worker_ids), len(self.queued))
+
+    async def _follow_failover(self) -> None:
+        """The Redis master moved (a Sentinel failover), and the writes the old one had not passed on are gone: the
+        queues in memory may be ahead of Redis. Nothing was written to the new master since (the client is fenced);
+        take up what it holds, as a restarted scheduler would, and go on."""
+        async with self.pump_lock:
+            if not acknowledge_move(self.client):
+                return  # another reader met the move first and took it up
+            log.warning("the Redis master moved; taking up the requests from what the new master holds")
+            backoff = Backoff()
+            while not self.stop_event.is_set():
+                try:
+                    if not await self.lease.renew():
+                        log.error("another scheduler took the lease; stopping")
+                        self.failed = True
+                        self.stop_event.set()
+                        return
+                    await self._load()
+                    await self._missed_aborts()
+                    break
+                except MasterMoved:  # it moved again meanwhile: take up the newest
+                    acknowledge_move(self.client)
+                except RECONNECT_ERRORS as e:
+                    log.warning("taking up the new master's requests failed, retrying: %s", e)
+                    await asyncio.sleep(backoff.next())
+            self.reread_pending = True
+        await self.pump()
 
     async def _recover_pending(self) -> None:
         """Claim every request a dead scheduler left unacknowledged and resume it from its `out:` stream."""
@@ -93,7 +131,7 @@ class SchedulerService:
 
     async def _resume(self, entry_id: bytes, fields: dict) -> None:
         req = decode_entry(self.keys.requests, entry_id, fields, Request)
-        if req is None:
+        if req is None or req.rid in self.queued:  # malformed, or queued twice (a gateway's write redone)
             await self._drop(entry_id)
             return
         key = self.keys.out(req.rid)
@@ -125,6 +163,8 @@ class SchedulerService:
                 log.warning("%s reader lost Redis, reconnecting: %s", name, e)
                 self.reread_pending = True
                 await asyncio.sleep(backoff.next())
+            except MasterMoved:
+                await self._follow_failover()
             except redis.ResponseError as e:
                 if "NOGROUP" not in str(e) and "UNBLOCKED" not in str(e):  # the stream or its group vanished
                     raise

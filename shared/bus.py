@@ -1,6 +1,10 @@
 """Redis connections for the services: the timeouts, retries and backoff every service uses, to one server or to
 the master Redis Sentinel names (shared/redis_target.py), followed across a failover and logged when it moves.
 
+A failover can lose the writes the old master had not passed on, so a client whose state rests on what it wrote
+(the scheduler's) is `fenced`: after a move its commands fail with MasterMoved, unsent, until it acknowledges the
+move (`acknowledge_move`), having rebuilt that state from what the new master holds.
+
 Blocking stream reads get their own client whose socket timeout outlasts the block time: redis-py 8
 defaults `socket_timeout` to 5 s, which would cut a longer XREAD short. A client given `max_connections`
 opens at most that many and makes a command wait for a free one, where redis-py's default pool fails
@@ -53,9 +57,14 @@ def connect(url: str, *, blocking: bool = False, timeout: float = _TIMEOUT, retr
         target.master, connection_class=_FollowingConnection, password=target.password, db=target.db, **options)
 
 
-def connect_async(url: str, *, blocking: bool = False, max_connections: int | None = None) -> redis.asyncio.Redis:
+class MasterMoved(redis.RedisError):
+    """A fenced client's command, not sent: the master moved since the client last acknowledged a move."""
+
+
+def connect_async(url: str, *, blocking: bool = False, max_connections: int | None = None,
+                  fenced: bool = False) -> redis.asyncio.Redis:
     """As `connect`, for asyncio; `max_connections` bounds a single server's pool (a Sentinel target's pool is
-    redis-py's own, which has no waiting bound)."""
+    redis-py's own, which has no waiting bound); a `fenced` client stops at a failover (see MasterMoved)."""
     from redis.asyncio.retry import Retry
 
     options = dict(retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3), **_options(blocking))
@@ -63,9 +72,11 @@ def connect_async(url: str, *, blocking: bool = False, max_connections: int | No
     if target is not None:
         from redis.asyncio.sentinel import Sentinel
 
-        return Sentinel(_addresses(target), sentinel_kwargs=_sentinel_options(target)).master_for(
+        client = Sentinel(_addresses(target), sentinel_kwargs=_sentinel_options(target)).master_for(
             target.master, connection_class=_FollowingAsyncConnection, password=target.password, db=target.db,
             **options)
+        client.connection_pool.fenced = fenced
+        return client
     if max_connections is None:
         return redis.asyncio.Redis.from_url(url, **options)
     pool = redis.asyncio.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=POOL_WAIT_S,
@@ -89,12 +100,21 @@ def _said_master(pool, address: tuple[str, int]) -> None:
             log.warning("Redis master %s moved from %s:%s to %s:%s (a Sentinel failover); following it",
                         pool.service_name, *before, *address)
             pool.failovers = failovers_followed_by(pool) + 1
+            pool.move_unacknowledged = getattr(pool, "fenced", False)
         pool.followed_master = address
 
 
 def failovers_followed_by(pool) -> int:
     """How often the clients of this connection pool have followed the master to a new address (0 for one server)."""
     return getattr(pool, "failovers", 0)
+
+
+def acknowledge_move(client: redis.asyncio.Redis) -> bool:
+    """Let a fenced client's commands through again, to the master it follows now; whether a move was pending."""
+    pool = client.connection_pool
+    pending = getattr(pool, "move_unacknowledged", False)
+    pool.move_unacknowledged = False
+    return pending
 
 
 class _FollowingConnection(redis.sentinel.SentinelManagedConnection):
@@ -115,12 +135,19 @@ class _FollowingAsyncConnection(redis.asyncio.sentinel.SentinelManagedConnection
         await super().connect_to(address)
         _said_master(self.connection_pool, address)
 
+    async def send_packed_command(self, command, check_health=True):
+        if not self.is_connected:  # connected first, so that a move it finds stops this very command
+            await self.connect()
+        if getattr(self.connection_pool, "move_unacknowledged", False):
+            raise MasterMoved(f"the Redis master moved to {self.host}:{self.port}; not acknowledged yet")
+        await super().send_packed_command(command, check_health)
+
 
 @dataclass(slots=True)
 class Backoff:
     """Delays for reconnect loops: doubling from `base` up to `cap`, reset after a success."""
     base: float = 0.05
-    cap: float = 2.0
+    cap: float = 0.5  # a Sentinel failover or a Redis restart is taken up within half a second of its end
     current: float = 0.0
 
     def next(self) -> float:

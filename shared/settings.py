@@ -72,6 +72,11 @@ class Settings:
     # services and bus
     redis_url: str = _opt("redis://127.0.0.1:6379/0", "Redis server the services meet on; redis+sentinel://"
                           "[:PASSWORD@]HOST:PORT[,...]/MASTER[/DB] follows the master Redis Sentinel names")
+    replica_acks: int = _opt(1, "Redis replicas that must hold a token before a client is shown it, and a request "
+                             "before it counts as taken (WAIT), so that a failover loses neither; at most the "
+                             "replicas the master has (none: no wait); 0 = never wait")
+    replica_ack_timeout: float = _opt(1.0, "seconds to wait for those replicas (at most 4); past it the gateway goes "
+                                      "on without them, and logs and counts it")
     worker_id: str = _opt("", "this worker's id; empty = host name + pid")
     heartbeat_ttl: float = _opt(5.0, "seconds a worker stays alive without refreshing its heartbeat")
     request_timeout: float = _opt(600.0, "seconds a request may wait with no worker before it fails")
@@ -130,6 +135,9 @@ class Settings:
                                 "tenants can hold several keys each)")
         if self.max_queued_tokens < 0 or self.max_queue_time < 0:
             raise SettingsError("max_queued_tokens and max_queue_time must be 0 (no limit) or more")
+        if self.replica_acks < 0 or not 0 < self.replica_ack_timeout <= 4:
+            raise SettingsError("replica_acks must be 0 or more and replica_ack_timeout in (0, 4] seconds; got "
+                                f"{self.replica_acks} and {self.replica_ack_timeout}")
         if self.reconnect_grace < 0:
             raise SettingsError(f"reconnect_grace must be 0 or more; got {self.reconnect_grace}")
 
