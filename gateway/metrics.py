@@ -79,6 +79,8 @@ PER_WORKER: list[tuple[str, type, str, Callable[[WorkerStats], float]]] = [
     ("pagedserve_prefix_cache_hits", CounterMetricFamily, "prompt tokens found in the prefix cache",
      lambda w: w.prefix_hits),
     ("pagedserve_worker_steps", CounterMetricFamily, "step plans sent to the worker", lambda w: w.steps),
+    ("pagedserve_worker_plan_wait_seconds", CounterMetricFamily, "seconds the worker, holding sequences, waited for "
+     "its next plan: its rate is the share of the worker the scheduler leaves idle", lambda w: w.plan_wait),
     ("pagedserve_sequence_forks", CounterMetricFamily, "sequences forked from another on shared blocks "
      "(parallel samples, beams)", lambda w: w.forks),
     ("pagedserve_kv_block_copies", CounterMetricFamily, "copy-on-write block copies", lambda w: w.copies),

@@ -107,6 +107,7 @@ class WorkerService:
         backoff = Backoff()
         entries: list = []  # read, not yet run
         sent: _Sent | None = None  # the last step's writes, their reply not read yet
+        waited = 0.0  # seconds spent, holding sequences, waiting for the next plan: the scheduler's lag
         try:
             while not self.stop_event.is_set():
                 if not entries:
@@ -114,7 +115,10 @@ class WorkerService:
                         self._confirm(sent)
                         sent = None
                     try:
+                        due = bool(self.worker.seqs)  # sequences held: their next plan is due
+                        began = time.monotonic()
                         entries = reader.take()
+                        waited += (time.monotonic() - began) if due else 0.0
                         backoff.reset()
                     except RECONNECT_ERRORS as e:
                         log.warning("reading plans failed, reconnecting: %s", e)
@@ -128,6 +132,7 @@ class WorkerService:
                 if not entries:
                     reader.ask()
                 result = self._execute(plan)
+                result.waited, waited = waited, 0.0
                 if sent is not None:
                     self._confirm(sent)
                 sent = self._send(result)

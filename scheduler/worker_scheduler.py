@@ -126,6 +126,7 @@ class WorkerScheduler:
         self.ended: list[FinishedRequest] = []  # see pop_ended
         self.num_preemptions = 0
         self.num_steps = 0
+        self.plan_wait = 0.0  # seconds the worker reported waiting for plans: where this scheduler kept it waiting
 
     @property
     def worker_id(self) -> str:
@@ -142,7 +143,8 @@ class WorkerScheduler:
     def stats(self) -> WorkerStats:
         kv, pool = self.kv, self.kv.pool
         return WorkerStats(self.worker_id, pool.num_usable, pool.num_free, self.num_running_seqs, pool.prefix_queries,
-                           pool.prefix_hits, pool.num_shared, self.num_steps, kv.num_forks, kv.num_copies)
+                           pool.prefix_hits, pool.num_shared, self.num_steps, kv.num_forks, kv.num_copies,
+                           self.plan_wait)
 
     def snapshot(self) -> WorkerView:
         kv, pool, swap = self.kv, self.kv.pool, self.kv.swap_pool
@@ -407,6 +409,7 @@ class WorkerScheduler:
         if not self.in_flight or result.epoch != self.epoch or result.step_id != self.in_flight[0].step_id:
             return
         chunks = self.in_flight.popleft().chunks
+        self.plan_wait += result.waited
         if result.error is not None:
             for rs in {id(c.rs): c.rs for c in chunks}.values():
                 if rs.status is Status.RUNNING:

@@ -191,6 +191,7 @@ class StepResult:
     outputs: list[TokenOutput] = field(default_factory=list)
     error: str | None = None
     beams: list[BeamCandidates] = field(default_factory=list)
+    waited: float = 0.0  # seconds the worker, holding sequences, waited for this plan after its step before
 
 
 @dataclass(slots=True)
@@ -205,6 +206,7 @@ class WorkerStats:
     steps: int = 0  # plans sent, since start
     forks: int = 0  # sequences forked from another (n > 1, beams), since start
     copies: int = 0  # copy-on-write block copies, since start
+    plan_wait: float = 0.0  # seconds the worker, holding sequences, waited for a plan, since start
 
 
 @dataclass(slots=True)

@@ -93,6 +93,16 @@ def test_two_workers_match_engine_and_transformers(redis_url, stack_factory, ref
     assert sum(w.prefix_queries > 0 for w in stats.workers) == 2, "both workers served requests"
 
 
+def test_a_worker_reports_how_long_it_waited_for_its_plans(redis_url, stack_factory):
+    """Without async scheduling the scheduler plans a step once the last one's result is in: a worker holding
+    sequences waits for each plan after its first, and the scheduler's stats add up what it reported."""
+    stack, client = stack_factory(redis_url, workers=("w0",), async_scheduling=False)
+    rids = [client.submit(p, GREEDY) for p in prompts(4, seed=9)]
+    client.wait(rids, stack=stack)
+    (worker,) = client.settled_stats().workers
+    assert worker.steps >= GREEDY.max_tokens and worker.plan_wait > 0
+
+
 def test_prefix_aware_placement(redis_url, stack_factory):
     stack, client = stack_factory(redis_url)
     prefix = prompts(1, seed=2, low=100, high=101)[0]

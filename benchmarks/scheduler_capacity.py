@@ -1,0 +1,201 @@
+"""How many workers one scheduler keeps busy (issue 39): simulated workers of the H200 profile (Llama-3-8B, a decode
+step of 256 sequences in ~14-17 ms), 256 running sequences each.
+
+    python -m benchmarks.scheduler_capacity --out benchmarks/results/scheduler_capacity.json
+
+**Measured** (`--workers 1 2 4`, what two cores hold at real speed): `pagedserve up --workers N --simulate
+h200-llama-3-8b` with N x 288 greedy requests put on the bus directly (no gateway in the path: its cost per token is
+benchmarks.gateway_load's), each decoding --output-len tokens after a --input-len prompt. Over a --window of steady
+decode: the share of the window each worker waited for its next plan (`pagedserve_worker_plan_wait_seconds`, what
+the workers report), the share its modelled steps took (the steps it ran, each the cost model's time for 256
+sequences at the window's mean context: the rest is its own host work and the wait), and from /proc and Redis's
+INFO the CPU the scheduler spent per step and per sequence, the workers' CPU per step, Redis's CPU and commands per
+generated token.
+
+**Computed** (1 to 64 workers): with a lookahead, a worker waits when the scheduler cannot plan every worker's next
+step within one step: busy = min(1, step time / (N x the scheduler's CPU per step)), from the figure measured with
+one worker, checked against the runs that fit. Redis's single core caps the tokens per second at 1 / its CPU per
+token; the table says how many workers that is.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import redis
+
+from benchmarks.proc_cpu import cpu_seconds
+from benchmarks.up_process import UpProcess
+from gpu_worker.cost_model import get_profile
+from pagedserve.bus_client import BusClient
+from pagedserve.launcher import REDIS, free_port
+from pagedserve.tiny_model import write_tiny_model
+from shared.model_dir import default_model_dir
+from shared.protocol import SchedulerStats
+from shared.sampling import SamplingParams
+
+PROFILE = "h200-llama-3-8b"
+SEQS = 256
+
+
+@dataclass(slots=True)
+class Measured:
+    workers: int
+    window_s: float
+    steps: int  # plans all workers ran in the window
+    waiting: list[float]  # per worker: the share of the window it waited for its next plan (its own report)
+    busy: list[float]  # per worker: the share of the window its modelled steps took
+    scheduler_ms_per_step: float
+    scheduler_us_per_seq: float
+    worker_ms_per_step: float
+    redis_us_per_token: float
+    redis_commands_per_token: float
+    step_ms: float  # the cost model's decode step at the window's mean context
+
+
+def step_seconds(context: int) -> float:
+    return get_profile(PROFILE).step_time([(context, 1)] * SEQS, SEQS)
+
+
+def snapshot(client: BusClient, server: redis.Redis, pids: dict[str, int]) -> tuple[SchedulerStats, dict, dict]:
+    """The scheduler's stats (published every 0.25 s: the first after this call), each process's CPU seconds and
+    Redis's command counts, taken together."""
+    first = client.stats()
+    while (stats := client.stats()) is None or first is None or stats.time == first.time:
+        time.sleep(0.01)
+    cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    calls = {k: v["calls"] for k, v in server.info("commandstats").items()}
+    return stats, cpu, calls
+
+
+def measure(workers: int, args: argparse.Namespace, model: Path, log: Path) -> Measured:
+    up = UpProcess.start(["--workers", str(workers), "--simulate", PROFILE, "--model", str(model), "--port",
+                          str(free_port()), "--max-num-seqs", str(SEQS), "--max-num-batched-tokens", "8192"], log)
+    try:
+        url = up.redis_url()
+        client = BusClient(url)
+        server = redis.Redis.from_url(url)
+        params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
+        client.wait_for(lambda: (s := client.stats()) is not None and len(s.workers) == workers,
+                        "the scheduler to see every worker")  # a request goes to a worker it sees on arrival
+        rng = random.Random(workers)
+        # An eighth more than the seats: placement weighs each worker's work to come, so a burst does not split
+        # evenly; the extras wait, and every worker keeps 256 running through the window.
+        for _ in range(workers * SEQS * 9 // 8):
+            client.submit([rng.randrange(5, 500) for _ in range(args.input_len)], params)
+        deadline = time.monotonic() + 120
+        while True:  # every worker running its 256, past their prefills
+            stats = client.stats()
+            if stats is not None and len(stats.workers) == workers and all(w.running == SEQS for w in stats.workers):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the workers did not all run {SEQS} sequences: {stats}")
+            time.sleep(0.1)
+        time.sleep(args.settle)
+        pids = {name: pid for name, pid in up.pids().items() if name == "scheduler" or name.startswith("worker")}
+        pids["redis"] = up.pids()[REDIS]
+        before = snapshot(client, server, pids)
+        time.sleep(args.window)
+        after = snapshot(client, server, pids)
+    finally:
+        up.stop()
+    (s0, cpu0, calls0), (s1, cpu1, calls1) = before, after
+    window = s1.time - s0.time
+    steps = {w.worker_id: w.steps for w in s1.workers}
+    waited = {w.worker_id: w.plan_wait for w in s1.workers}
+    for w in s0.workers:
+        steps[w.worker_id] -= w.steps
+        waited[w.worker_id] -= w.plan_wait
+    total_steps = sum(steps.values())
+    tokens = total_steps * SEQS
+    # Every sequence started together and gains a token a step: the context at a step is the prompt and the steps
+    # before it (the mean over workers; they run in step).
+    done_before = statistics.mean(w.steps for w in s0.workers)
+    mean_context = args.input_len + done_before + total_steps / workers / 2
+    step_s = step_seconds(int(mean_context))
+    worker_cpu = sum(cpu1[n] - cpu0[n] for n in cpu0 if n.startswith("worker"))
+    commands = sum(calls1.values()) - sum(calls0.get(k, 0) for k in calls1)
+    return Measured(workers, window, total_steps, [waited[w] / window for w in sorted(steps)],
+                    [steps[w] * step_s / window for w in sorted(steps)],
+                    1e3 * (cpu1["scheduler"] - cpu0["scheduler"]) / total_steps,
+                    1e6 * (cpu1["scheduler"] - cpu0["scheduler"]) / tokens, 1e3 * worker_cpu / total_steps,
+                    1e6 * (cpu1["redis"] - cpu0["redis"]) / tokens, commands / tokens, 1e3 * step_s)
+
+
+def computed(measured: list[Measured], counts: list[int]) -> list[dict]:
+    """Busy share and the limits for `counts` workers, from the one-worker run's costs."""
+    base = next(m for m in measured if m.workers == 1)
+    step_ms, sched_ms = base.step_ms, base.scheduler_ms_per_step
+    redis_tokens_s = 1e6 / base.redis_us_per_token
+    rows = []
+    for n in counts:
+        rows.append({"workers": n, "busy": min(1.0, step_ms / (n * sched_ms)), "scheduler_cores": n * sched_ms / step_ms,
+                     "tokens_per_s": n * SEQS / (step_ms / 1e3) * min(1.0, step_ms / (n * sched_ms)),
+                     "redis_cores": n * SEQS / (step_ms / 1e3) * base.redis_us_per_token / 1e6})
+    rows.append({"redis_workers_cap": redis_tokens_s / (SEQS / (step_ms / 1e3))})
+    return rows
+
+
+def format_report(report: dict) -> str:
+    lines = ["Measured (real services, simulated workers at real speed):", "",
+             "| workers | waiting for a plan (each) | modelled steps (each) | scheduler ms/step | scheduler µs/seq | "
+             "worker ms/step | Redis µs/token | Redis commands/token | modelled step ms |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+    for m in report["measured"]:
+        waiting = ", ".join(f"{w:.0%}" for w in m["waiting"])
+        busy = ", ".join(f"{b:.0%}" for b in m["busy"])
+        lines.append(f"| {m['workers']} | {waiting} | {busy} | {m['scheduler_ms_per_step']:.2f} | "
+                     f"{m['scheduler_us_per_seq']:.2f} | "
+                     f"{m['worker_ms_per_step']:.2f} | {m['redis_us_per_token']:.2f} | "
+                     f"{m['redis_commands_per_token']:.3f} | {m['step_ms']:.1f} |")
+    lines += ["", "Computed from the one-worker run (busy = min(1, step / (N x scheduler CPU per step))):", "",
+              "| workers | busy | scheduler cores needed | output tok/s | Redis cores needed |", "|---:|---:|---:|---:|---:|"]
+    for row in report["computed"]:
+        if "workers" in row:
+            lines.append(f"| {row['workers']} | {row['busy']:.0%} | {row['scheduler_cores']:.2f} | "
+                         f"{row['tokens_per_s']:,.0f} | {row['redis_cores']:.2f} |")
+        else:
+            lines.append(f"\nOne Redis core holds about {row['redis_workers_cap']:.0f} such workers.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4], help="worker counts run for real")
+    p.add_argument("--computed", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=1800, help="long enough to outlast the measurement (the tiny "
+                   "model, whose tokenizer the simulated workers use, holds 2,048 tokens)")
+    p.add_argument("--settle", type=float, default=3.0, help="seconds of decode before the window")
+    p.add_argument("--window", type=float, default=10.0, help="seconds measured")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    model = default_model_dir()
+    if not (model / "config.json").exists():
+        write_tiny_model(model)
+    workdir = Path(tempfile.mkdtemp(prefix="pagedserve-capacity-"))
+    measured = []
+    for n in args.workers:
+        m = measure(n, args, model, workdir / f"up-{n}.log")
+        measured.append(m)
+        print(f"[{n} workers] waiting {', '.join(f'{w:.0%}' for w in m.waiting)}; scheduler "
+              f"{m.scheduler_ms_per_step:.2f} ms/step ({m.scheduler_us_per_seq:.2f} µs/seq)", file=sys.stderr)
+    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "profile": PROFILE,
+              "args": vars(args) | {"out": None}, "measured": [asdict(m) for m in measured],
+              "computed": computed(measured, args.computed) if any(m.workers == 1 for m in measured) else []}
+    print(format_report(report))
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
