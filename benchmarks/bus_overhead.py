@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def start_stack(settings: Settings):
     """Redis, the scheduler and one worker; the stack and a bus client, once the worker has joined."""
-    from pagedserve.bus_client import BusClient
+    from benchmarks.bus_client import BusClient
     from pagedserve.launcher import Stack
 
     stack = Stack(settings)

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kernels import reference, triton_ops
-from kernels.testing import random_paged_batch
+from benchmarks.paged_batches import random_paged_batch
 
 GIB = 1 << 30
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3}

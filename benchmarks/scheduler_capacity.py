@@ -35,7 +35,7 @@ import redis
 from benchmarks.proc_cpu import cpu_seconds
 from benchmarks.up_process import UpProcess
 from gpu_worker.cost_model import get_profile
-from pagedserve.bus_client import BusClient
+from benchmarks.bus_client import BusClient
 from pagedserve.launcher import REDIS, free_port
 from pagedserve.tiny_model import write_tiny_model
 from shared.model_dir import default_model_dir

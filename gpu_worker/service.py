@@ -253,9 +253,9 @@ def main(argv: list[str] | None = None) -> None:
     Settings.add_arguments(parser)
     settings = Settings.from_args(parser.parse_args(argv))
     setup_logging("worker", settings.log_level)
-    from gpu_worker.worker import Worker
+    from gpu_worker.worker_factory import make_worker
 
-    worker = Worker.load(settings, settings.worker_id or f"{socket.gethostname()}-{os.getpid()}")
+    worker = make_worker(settings, settings.worker_id or f"{socket.gethostname()}-{os.getpid()}")
     service = WorkerService(settings, worker)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: service.stop_event.set())

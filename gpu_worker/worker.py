@@ -61,12 +61,8 @@ class Worker:
 
     @classmethod
     def load(cls, settings: Settings, worker_id: str = "worker-0", progress: bool = True) -> "Worker":
-        """A worker over the model in `settings.model`, its KV cache sized from the settings; with
-        `settings.simulate`, on that simulated device instead (gpu_worker/simulated.py)."""
-        if settings.simulate:
-            from gpu_worker import simulated
-
-            return simulated.load(settings, worker_id)
+        """A worker over the model in `settings.model`, its KV cache sized from the settings (a simulated device's:
+        gpu_worker/worker_factory.py)."""
         from gpu_worker.model_runner import ModelRunner
 
         model_dir = model_dirs.resolve_model_dir(settings.model)

@@ -40,7 +40,7 @@ class Completion:
 
 class Engine:
     def __init__(self, settings: Settings, num_workers: int = 1) -> None:
-        from gpu_worker.worker import Worker
+        from gpu_worker.worker_factory import make_worker
         from scheduler.cluster import Cluster
 
         self.settings = settings
@@ -48,7 +48,7 @@ class Engine:
         self.workers = {}
         self.queued: dict[str, list[StepPlan]] = {}  # plans sent to each worker, not yet run
         for i in range(num_workers):
-            worker = Worker.load(settings, f"worker-{i}")
+            worker = make_worker(settings, f"worker-{i}")
             self.workers[worker.registration.worker_id] = worker
             self.queued[worker.registration.worker_id] = []
             self.cluster.add_worker(worker.registration)
@@ -74,8 +74,7 @@ class Engine:
         ran = False
         for worker_id, worker in self.workers.items():
             queued = self.queued[worker_id]
-            while (plan := self.cluster.schedule(worker_id)) is not None:
-                queued.append(plan)
+            queued.extend(self.cluster.plans(worker_id))
             if not queued:
                 continue
             ran = True

@@ -362,6 +362,13 @@ class Cluster:
         ws = self.workers.get(worker_id)
         return ws.schedule() if ws is not None else None
 
+    def plans(self, worker_id: str) -> list[StepPlan]:
+        """Every plan the worker may be sent now: its next step and, with async scheduling, the one after."""
+        plans = []
+        while (plan := self.schedule(worker_id)) is not None:
+            plans.append(plan)
+        return plans
+
     def apply_result(self, result: StepResult) -> None:
         ws = self.workers.get(result.worker_id)
         if ws is not None:
@@ -382,6 +389,13 @@ class Cluster:
     def tenant_stats(self) -> list[TenantStats]:
         return [TenantStats(name, a.waiting, a.running_seqs, a.tokens_in_window())
                 for name, a in sorted(self.ledger.accounts.items())]
+
+
+def next_epoch(counter: int, now: float) -> int:
+    """A new scheduler's epoch, from the counter Redis just incremented: above the last epoch, and above the wall
+    clock in ms, since were Redis to lose the counter (no AOF, a failover), a restarted count would fall below the
+    epoch the workers hold, and they would skip every plan."""
+    return max(counter, int(now * 1000))
 
 
 def _abort_reason(reason: str) -> str:

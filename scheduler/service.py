@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import redis
 
-from scheduler.cluster import Cluster
+from scheduler.cluster import Cluster, next_epoch
 from scheduler.lease import Lease
 from scheduler.request import FinishedRequest
-from scheduler.snapshot import CacheMonitor
+from scheduler.publisher import Publisher
 from scheduler.worker_scheduler import WorkerSchedulerFactory
 from shared.bus import (
     BLOCK_MS, RECONNECT_ERRORS, Backoff, MasterMoved, acknowledge_move, connect_async, decode_entry, read_registry,
@@ -36,7 +36,6 @@ from shared.settings import Settings
 
 log = logging.getLogger("scheduler")
 TICK_S = 0.25
-SNAPSHOT_TTL_MS = 5_000  # a dashboard shows no snapshot of a scheduler that stopped publishing
 Command = tuple[str, tuple, dict]
 
 
@@ -57,8 +56,7 @@ class SchedulerService:
         self.client = connect_async(settings.redis_url, fenced=True)
         self.worker_scheduler = worker_scheduler
         self.cluster = Cluster(settings, worker_scheduler=worker_scheduler)
-        self.monitor = CacheMonitor()
-        self.watched = False  # whether a dashboard's watch key was alive at the last tick
+        self.publisher = Publisher(self.client, self.keys)
         self.queued: dict[str, Queued] = {}  # rid → its entry in the requests stream, acked at the end
         self.lease = Lease(self.client, self.keys.scheduler_lease, self.name, int(settings.heartbeat_ttl * 1000))
         self.reread_pending = False
@@ -78,9 +76,7 @@ class SchedulerService:
     async def _load(self) -> None:
         """Take up the work Redis holds: a new epoch, the registered workers, and every request left unfinished,
         resumed from its `out:` stream."""
-        # Above the last epoch, and above the wall clock in ms: were Redis to lose the counter (no AOF), a
-        # restarted count would fall below the epoch the workers hold, and they would skip every plan.
-        epoch = max(int(await self.client.incr(self.keys.epoch)), int(time.time() * 1000))
+        epoch = next_epoch(int(await self.client.incr(self.keys.epoch)), time.time())
         await self.client.set(self.keys.epoch, epoch)
         self.cluster = Cluster(self.settings, epoch, self.worker_scheduler)
         self.queued = {}
@@ -247,8 +243,8 @@ class SchedulerService:
                 ("xadd", (self.keys.out(rid), {FIELD: encode(Assignment(rid, worker_id, cluster.epoch))}), {})
                 for rid, worker_id in cluster.pop_placements()]
             for worker_id in cluster.worker_ids:
-                while (plan := cluster.schedule(worker_id)) is not None:  # a step, then its lookahead
-                    self.monitor.planned(cluster, plan)
+                for plan in cluster.plans(worker_id):
+                    self.publisher.planned(cluster, plan)
                     commands.append(("xadd", (self.keys.plans(worker_id), {FIELD: encode(plan)}),
                                      {"maxlen": PLANS_MAXLEN, "approximate": True}))
             for done in cluster.pop_finished():
@@ -326,19 +322,8 @@ class SchedulerService:
         now = time.time()
         await self._abort_orphans(now)
         self.cluster.expire(now)
-        await self._publish_state(now)
+        await self.publisher.publish(self.cluster, now)
         await self.pump()
-
-    async def _publish_state(self, now: float) -> None:
-        """The stats /metrics exports and, while a dashboard watches (as of the last tick), the cache snapshot it
-        shows: both taken before anything else runs, so they agree."""
-        snapshot = self.monitor.tick(self.cluster, now, self.watched)
-        async with self.client.pipeline(transaction=False) as pipe:
-            pipe.set(self.keys.stats, encode(self.cluster.stats(now)))
-            if snapshot is not None:
-                pipe.set(self.keys.cache_snapshot, encode(snapshot), px=SNAPSHOT_TTL_MS)
-            pipe.exists(self.keys.dashboard_watch)
-            self.watched = bool((await pipe.execute())[-1])
 
     async def _housekeeping(self) -> None:
         while not self.stop_event.is_set():

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kernels import attention_backend, cpu_attention, reference, step_attention, triton_ops
-from kernels.testing import PagedBatch, random_paged_batch
+from benchmarks.paged_batches import PagedBatch, random_paged_batch
 
 SCALE = 0.125
 

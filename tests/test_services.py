@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from pagedserve.bus_client import BusClient
+from benchmarks.bus_client import BusClient
 from pagedserve.launcher import Stack
 from shared.keys import FIELD, Keys
 from shared.protocol import Abort, TokenOutput, decode, encode
