@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
 def start_stack(settings: Settings):
     """Redis, the scheduler and one worker; the stack and a bus client, once the worker has joined."""
     from benchmarks.bus_client import BusClient
-    from pagedserve.launcher import Stack
+    from pagedserve.supervision import Stack
 
     stack = Stack(settings)
     url = stack.start_redis(0)

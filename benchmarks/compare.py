@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import plot, serving, versus_vllm
-from pagedserve.launcher import free_port
+from pagedserve.ports import free_port
 from shared.settings import Settings
 
 READY_TIMEOUT_S = 180.0

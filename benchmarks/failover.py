@@ -11,10 +11,10 @@ the master stalls the streams.
    --concurrency streams of --max-tokens tokens in flight until --requests have ended, and reports TTFT, the gap
    between a stream's tokens (ITL), output tok/s, and the CPU the gateway and the Redis master spent per token (from
    /proc). The tiny model's steps take a few ms, so what the bus adds to a token shows.
-2. **Failover.** On `sentinel-1`, --concurrency streams of --failover-tokens tokens; 2 s in, the master is SIGKILLed.
-   Reported: the kill to the Sentinels naming the replica; per stream, its stall (its longest gap between two
-   tokens) and the kill to the token that ends it (its first after the failover); whether every stream ended whole. The old master is brought back as a replica
-   before the next of --failovers kills.
+2. **Failover.** On `sentinel-1`, --concurrency streams of --failover-tokens tokens; --kill-after seconds in, the
+   master is SIGKILLed. Reported: the kill to the Sentinels naming the replica; per stream, its stall (its longest
+   gap between two tokens) and the kill to the token that ends it (its first after the failover); whether every
+   stream ended whole. The old master is brought back as a replica before the next of --failovers kills.
 """
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ from benchmarks.redis_servers import SentinelTopology
 from benchmarks.serving import Endpoint, RequestOutput, send_completion
 from benchmarks.up_process import UpProcess
 from benchmarks.workloads import SampleRequest, WorkloadSpec, build_requests
-from pagedserve.launcher import REDIS, free_port
+from pagedserve.local_redis import REDIS
+from pagedserve.ports import free_port
 from pagedserve.tiny_model import write_tiny_model
 from shared.model_dir import default_model_dir
 
@@ -182,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(args.failovers):
                 point = asyncio.run(failover_phase(up, topology, build_requests(long, 100 + i), args.kill_after))
                 failovers.append(point)
-                print(f"[failover] {i}: promoted {point.promoted_s:.2f} s, streams resumed {point.resumed_median_s:.2f} "
-                      f"s after the kill (median); {point.whole}/{point.streams} whole", file=sys.stderr)
+                print(f"[failover] {i}: promoted {point.promoted_s:.2f} s, streams resumed "
+                      f"{point.resumed_median_s:.2f} s after the kill (median); {point.whole}/{point.streams} whole",
+                      file=sys.stderr)
         finally:
             up.stop()
     finally:

@@ -32,7 +32,7 @@ import redis
 import redis.asyncio as aioredis
 
 from benchmarks.proc_cpu import cpu_seconds
-from pagedserve.launcher import free_port
+from pagedserve.ports import free_port
 from shared.keys import FIELD, Keys
 from shared.protocol import Assignment, Request, TokenOutput, decode, encode
 

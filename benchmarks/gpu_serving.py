@@ -26,7 +26,7 @@ import torch
 
 from benchmarks import serving
 from benchmarks.up_process import UpProcess
-from pagedserve.launcher import free_port
+from pagedserve.ports import free_port
 from pagedserve.tiny_model import write_tiny_model
 
 NEW_TOKENS = 32

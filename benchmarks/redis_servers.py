@@ -11,7 +11,7 @@ from pathlib import Path
 
 import redis
 
-from pagedserve.launcher import free_port
+from pagedserve.ports import free_port
 
 
 class RedisUnavailable(RuntimeError):

@@ -16,7 +16,7 @@ from statistics import median
 import httpx
 
 from benchmarks.up_process import UpProcess
-from pagedserve.launcher import free_port
+from pagedserve.ports import free_port
 from pagedserve.tiny_model import write_tiny_model
 
 

@@ -36,7 +36,8 @@ from benchmarks.proc_cpu import cpu_seconds
 from benchmarks.up_process import UpProcess
 from gpu_worker.cost_model import get_profile
 from benchmarks.bus_client import BusClient
-from pagedserve.launcher import REDIS, free_port
+from pagedserve.local_redis import REDIS
+from pagedserve.ports import free_port
 from pagedserve.tiny_model import write_tiny_model
 from shared.model_dir import default_model_dir
 from shared.protocol import SchedulerStats
@@ -137,7 +138,8 @@ def computed(measured: list[Measured], counts: list[int]) -> list[dict]:
     redis_tokens_s = 1e6 / base.redis_us_per_token
     rows = []
     for n in counts:
-        rows.append({"workers": n, "busy": min(1.0, step_ms / (n * sched_ms)), "scheduler_cores": n * sched_ms / step_ms,
+        rows.append({"workers": n, "busy": min(1.0, step_ms / (n * sched_ms)),
+                     "scheduler_cores": n * sched_ms / step_ms,
                      "tokens_per_s": n * SEQS / (step_ms / 1e3) * min(1.0, step_ms / (n * sched_ms)),
                      "redis_cores": n * SEQS / (step_ms / 1e3) * base.redis_us_per_token / 1e6})
     rows.append({"redis_workers_cap": redis_tokens_s / (SEQS / (step_ms / 1e3))})
@@ -157,7 +159,8 @@ def format_report(report: dict) -> str:
                      f"{m['worker_ms_per_step']:.2f} | {m['redis_us_per_token']:.2f} | "
                      f"{m['redis_commands_per_token']:.3f} | {m['step_ms']:.1f} |")
     lines += ["", "Computed from the one-worker run (busy = min(1, step / (N x scheduler CPU per step))):", "",
-              "| workers | busy | scheduler cores needed | output tok/s | Redis cores needed |", "|---:|---:|---:|---:|---:|"]
+              "| workers | busy | scheduler cores needed | output tok/s | Redis cores needed |",
+              "|---:|---:|---:|---:|---:|"]
     for row in report["computed"]:
         if "workers" in row:
             lines.append(f"| {row['workers']} | {row['busy']:.0%} | {row['scheduler_cores']:.2f} | "

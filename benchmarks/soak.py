@@ -675,7 +675,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log", default="", help="where `pagedserve up` logs (default: a temporary file)")
     args = parser.parse_args(argv)
 
-    from pagedserve.launcher import ensure_model, free_port
+    from pagedserve.launcher import ensure_model
+    from pagedserve.ports import free_port
     from shared.model_dir import read_config
 
     settings = ensure_model(Settings(model=args.model, dtype="float32", num_blocks=args.num_blocks,

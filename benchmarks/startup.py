@@ -13,7 +13,7 @@ from pathlib import Path
 from statistics import median
 
 from benchmarks.up_process import UpProcess
-from pagedserve.launcher import free_port
+from pagedserve.ports import free_port
 
 
 def start_once(cache: Path, log: Path) -> float:

@@ -53,7 +53,7 @@ from benchmarks.serving import (BenchmarkError, Endpoint, ModelFacts, RequestOut
                                 model_facts, parse_prometheus, send_completion, write_report)
 from benchmarks.up_process import UpProcess
 from benchmarks.workloads import SampleRequest, WorkloadSpec, arrival_times, build_requests
-from pagedserve.launcher import free_port
+from pagedserve.ports import free_port
 from shared.model_dir import default_model_dir
 
 POLICIES = ("fcfs", "priority", "fair")

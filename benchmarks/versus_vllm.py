@@ -34,7 +34,7 @@ from pathlib import Path
 from statistics import mean
 
 from benchmarks.proc_cpu import tree_cpu_seconds
-from pagedserve.launcher import free_port
+from pagedserve.ports import free_port
 
 READY_TIMEOUT_S = 900.0  # vLLM's start-up (model load, warm-up) takes minutes on 2 busy cores
 INPUT_LEN = OUTPUT_LEN = 128

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.redis_servers import LocalRedis, RedisUnavailable, SentinelTopology, wait_ready
-from pagedserve.launcher import free_port
+from pagedserve.ports import free_port
 
 __all__ = ["LocalRedis", "RedisUnavailable", "SentinelTopology", "free_port", "open_server", "wait_ready"]
 

@@ -14,7 +14,8 @@ import pytest
 import redis
 from redis_harness import SentinelTopology, free_port
 
-from pagedserve.launcher import _redis_answers, redact
+from pagedserve.launcher import redact
+from pagedserve.local_redis import redis_answers
 from shared.bus import MasterMoved, acknowledge_move, connect, connect_async, failovers_followed_by
 from shared.redis_target import Endpoint, RedisTargetError, SentinelTarget, sentinel_target
 
@@ -68,7 +69,7 @@ def test_a_client_follows_the_master_through_a_failover_without_a_restart_and_sa
     client = connect(topology.url)
     client.set("before", "kept")
     assert client.wait(1, 5000) == 1, "the replica holds the write"
-    assert _redis_answers(topology.url), "the launcher's readiness probe reaches the master too"
+    assert redis_answers(topology.url), "the launcher's readiness probe reaches the master too"
     old = topology.kill_master()
     new = topology.wait_failover(old)
     with caplog.at_level(logging.WARNING, logger="shared.bus"):

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from benchmarks.bus_client import BusClient
-from pagedserve.launcher import Stack
+from pagedserve.supervision import Stack
 from shared.keys import FIELD, Keys
 from shared.protocol import Abort, TokenOutput, decode, encode
 from shared.sampling import SamplingParams

@@ -15,7 +15,7 @@ import openai
 from redis_harness import free_port
 
 from benchmarks.up_process import UP, UpProcess, up_env
-from pagedserve.launcher import port_in_use
+from pagedserve.ports import port_in_use
 
 __all__ = ["FaultLoad", "Phase", "Streamed", "UpProcess", "free_gateway_port", "health", "run_phase", "run_up",
            "settle"]
