@@ -5,7 +5,7 @@
 For each request rate of the sweep and each system (the static-batching baseline, pagedserve with a
 contiguous max_model_len reservation per request, pagedserve with 1 and with 2 workers) it starts a
 fresh server, waits for `ready:`, sends the same requests (same dataset, seed and arrivals) with
-benchmarks/serving.py, and stops the server. Systems alternate within each rate, so that load from
+pagedserve/bench.py, and stops the server. Systems alternate within each rate, so that load from
 other processes on a shared machine falls on all of them alike. Then the shared-prefix dataset runs on
 one worker with prefix caching on and off, and benchmarks/plot.py writes the PNGs and summary.md, to
 which the target verdicts are appended. Every system gets the same KV memory per worker
@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks import plot, serving, versus_vllm
+from benchmarks import plot, versus_vllm
+from pagedserve import bench as serving
 from pagedserve.ports import free_port
 from shared.settings import Settings
 
@@ -106,7 +107,7 @@ class Server:
 class Plan:
     """What one comparison runs (the full run and --quick differ only here). A point sends about
     `point_seconds` of arrivals, within [min_prompts, max_prompts] requests; the requests of a smaller point
-    are the head of a larger one's (benchmarks/workloads.py). max_prompts stays below 100: the gateway's
+    are the head of a larger one's (pagedserve/workloads.py). max_prompts stays below 100: the gateway's
     pool of blocking Redis connections holds 100, and it leaks one per request (see RESULTS.md)."""
     rates: list[float]
     prefix_rates: list[float]
@@ -158,7 +159,7 @@ def say(message: str) -> None:
 
 
 def run_point(label: str, cmd: list[str], bench_args: list[str], log: Path, env: dict[str, str]) -> dict[str, Any]:
-    """Start a fresh server, measure one point with benchmarks/serving.py, stop the server."""
+    """Start a fresh server, measure one point with pagedserve/bench.py, stop the server."""
     with Server([*cmd, "--port", str(free_port())], log, env) as server:
         args = serving.build_parser().parse_args(["--base-url", server.url, "--label", label, "--disable-tqdm",
                                                   "--request-timeout", "600", *bench_args])

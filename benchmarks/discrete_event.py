@@ -18,8 +18,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from benchmarks.serving import RequestOutput, summarize
-from benchmarks.workloads import SampleRequest
+from pagedserve.bench import RequestOutput, summarize
+from pagedserve.workloads import SampleRequest
 from gpu_worker.cost_model import Profile
 from gpu_worker.simulated import SimulatedRunner, simulated_worker
 from gpu_worker.worker import Worker
@@ -159,7 +159,7 @@ class Simulation:
 
 
 def point(simulation: Simulation, requests: list[SampleRequest], arrivals: list[float], rate: float) -> dict[str, Any]:
-    """Run one sweep point; a report point as benchmarks/serving.py writes it (virtual seconds), plus the
+    """Run one sweep point; a report point as pagedserve/bench.py writes it (virtual seconds), plus the
     scheduler's view."""
     timings = simulation.run(requests, arrivals)
     outputs = [t.output() for t in timings]

@@ -33,9 +33,9 @@ import aiohttp
 
 from benchmarks.proc_cpu import cpu_seconds
 from benchmarks.redis_servers import SentinelTopology
-from benchmarks.serving import Endpoint, RequestOutput, send_completion
+from pagedserve.bench import Endpoint, RequestOutput, send_completion
 from benchmarks.up_process import UpProcess
-from benchmarks.workloads import SampleRequest, WorkloadSpec, build_requests
+from pagedserve.workloads import SampleRequest, WorkloadSpec, build_requests
 from pagedserve.local_redis import REDIS
 from pagedserve.ports import free_port
 from pagedserve.tiny_model import write_tiny_model

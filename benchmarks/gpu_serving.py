@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import serving
+from pagedserve import bench as serving
 from benchmarks.up_process import UpProcess
 from pagedserve.ports import free_port
 from pagedserve.tiny_model import write_tiny_model

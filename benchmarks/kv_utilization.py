@@ -1,6 +1,6 @@
 """KV memory utilization: paged allocation (the real scheduler and block pool) against contiguous reservation.
 
-A synthetic trace with the vLLM paper's length statistics (benchmarks.workloads: ShareGPT-like and
+A synthetic trace with the vLLM paper's length statistics (pagedserve.workloads: ShareGPT-like and
 Alpaca-like lognormal lengths, Poisson arrivals, fixed seed) is replayed step by step, with no model,
 through (1) the real scheduler core (`Cluster`) with a fixed block budget and (2) Orca-style contiguous allocators that
 reserve, per request, max_model_len / the next power of two of its true length / exactly its true length
@@ -28,7 +28,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from benchmarks.token_worker import TokenWorker
-from benchmarks.workloads import WorkloadSpec, arrival_times, build_requests
+from pagedserve.workloads import WorkloadSpec, arrival_times, build_requests
 from benchmarks.contiguous import reserving_scheduler
 from scheduler.cluster import Cluster
 from shared.protocol import Request, WorkerRegistration

@@ -3,7 +3,7 @@
     python -m benchmarks.placement --out-dir benchmarks/results/simulated/placement [--quick]
 
 A workload shaped like llm-d's shared-prefix capacity benchmark (groups of prompts that share a long system
-prompt; benchmarks/workloads.py: prefix_groups) is served at rising request rates by a cluster of simulated
+prompt; pagedserve/workloads.py: prefix_groups) is served at rising request rates by a cluster of simulated
 workers (Llama-3-8B on H200 by default) on a virtual clock (benchmarks/discrete_event.py), once per
 placement policy: the scheduler's own (scheduler/cluster.py: the least prompt to compute after prefix hits,
 then the least load), round-robin, and uniformly random. Reported per point: output tokens/s, TTFT p90, and
@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks import plot  # noqa: E402
 from benchmarks.discrete_event import Simulation  # noqa: E402
-from benchmarks.workloads import arrival_times, prefix_groups  # noqa: E402
+from pagedserve.workloads import arrival_times, prefix_groups  # noqa: E402
 from gpu_worker.cost_model import get_profile  # noqa: E402
 from scheduler.cluster import Cluster  # noqa: E402
 from scheduler.worker_scheduler import WorkerScheduler, WorkerSchedulerFactory  # noqa: E402

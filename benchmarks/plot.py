@@ -1,4 +1,4 @@
-"""Plots and a summary table from the JSON reports of benchmarks/serving.py (one file per system and dataset).
+"""Plots and a summary table from the JSON reports of pagedserve/bench.py (one file per system and dataset).
 
     python -m benchmarks.plot benchmarks/results/*.json --out-dir benchmarks/results --baseline hf-static
 
@@ -47,7 +47,7 @@ def load_reports(paths: list[Path]) -> list[Report]:
             data = json.loads(path.read_text(encoding="utf-8"))
             reports.append(Report(str(data["system"]), str(data["workload"]["dataset"]), list(data["points"])))
         except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-            raise SystemExit(f"error: {path} is not a benchmarks/serving.py report: {type(e).__name__}: {e}")
+            raise SystemExit(f"error: {path} is not a pagedserve/bench.py report: {type(e).__name__}: {e}")
     return reports
 
 
@@ -209,7 +209,7 @@ def summary(groups: dict[str, list[Report]], baseline: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("reports", nargs="+", type=Path, help="JSON reports written by benchmarks/serving.py --json-out")
+    p.add_argument("reports", nargs="+", type=Path, help="JSON reports written by pagedserve/bench.py --json-out")
     p.add_argument("--out-dir", type=Path, default=Path("benchmarks/out/plots"))
     p.add_argument("--baseline", default="hf-static", help="system label the targets are measured against")
     p.add_argument("--max-latency", type=float, default=None, help="clip the normalized-latency axis (s/token)")

@@ -2,12 +2,12 @@
 
     python -m benchmarks.simulate --out-dir benchmarks/results/simulated/fig12 [--profile a100-40gb-opt-13b] [--quick]
 
-ShareGPT-like and Alpaca-like traces (benchmarks/workloads.py: the paper's mean lengths, Poisson arrivals)
+ShareGPT-like and Alpaca-like traces (pagedserve/workloads.py: the paper's mean lengths, Poisson arrivals)
 are served at rising request rates by pagedserve and by the paper's three Orca baselines, which reserve KV
 for a sequence's whole possible length at admission (benchmarks/contiguous.py: max_model_len, the output
 rounded up to a power of two, the exact output). Every system is the real scheduler core over simulated
 workers with the same cost model (gpu_worker/cost_model.py), driven on a virtual clock
-(benchmarks/discrete_event.py). Writes one JSON report per system and dataset (benchmarks/serving.py's
+(benchmarks/discrete_event.py). Writes one JSON report per system and dataset (pagedserve/bench.py's
 format, virtual seconds), normalized_latency.png and throughput.png (benchmarks/plot.py), and summary.md:
 the request rate each system sustains at a few normalized-latency thresholds, its ratio next to the paper's,
 and the mean batch at the paper's Figure 13 rates next to the paper's.
@@ -24,8 +24,8 @@ from typing import Any
 from benchmarks import plot
 from benchmarks.contiguous import reserving_scheduler
 from benchmarks.discrete_event import Simulation, point
-from benchmarks.serving import write_report
-from benchmarks.workloads import WorkloadSpec, arrival_times, build_requests
+from pagedserve.bench import write_report
+from pagedserve.workloads import WorkloadSpec, arrival_times, build_requests
 from gpu_worker.cost_model import Profile, get_profile
 from shared.settings import Settings
 

@@ -43,7 +43,7 @@ from typing import Any
 import aiohttp
 import redis
 
-from benchmarks import serving
+from pagedserve import bench as serving
 from benchmarks.up_process import UpProcess
 from shared.keys import Keys
 from shared.protocol import ProtocolError, SchedulerStats, decode

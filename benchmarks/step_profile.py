@@ -13,7 +13,7 @@ per model, dtype, attention backend and batch size, in ms per step.
 Prefill (`--part prefill`): one sequence's prompt of each of `--prompts` lengths prefilled in one step,
 split by the same phases, ms per prefill (the mean of `--steps` after a warm-up).
 
-Stack (`--part stack`): `pagedserve up --workers 1` under a fixed load (benchmarks/serving.py in this
+Stack (`--part stack`): `pagedserve up --workers 1` under a fixed load (pagedserve/bench.py in this
 process: `--stack-requests` requests of `--context` prompt / `--stack-output` output tokens, at most B in
 flight), CPU seconds of each process over the load, per output token (µs), and wall time.
 
@@ -212,7 +212,7 @@ def _process_name(pid: int) -> str:
 
 
 def profile_stack(model_dir: Path, dtype: str, concurrency: int, args: argparse.Namespace) -> dict[str, float]:
-    from benchmarks import serving
+    from pagedserve import bench as serving
     from benchmarks.compare import Server, free_port
 
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")

@@ -20,7 +20,7 @@ Why this shape: the workers are simulated (the cost model's OPT-13B on an A100; 
 the gateway, scheduler and client rather than a model, and what differs between policies is the scheduler's doing;
 a small batch (--max-num-seqs per worker) fills within seconds; fixed lengths (`ignore_eos`) make TTFT differences
 queueing, not request size; arrivals are seeded, the same under every policy and alone as together. TTFT is to the
-first streamed token (benchmarks/serving.py's client). Requests sent before --warmup are load but not measured; a
+first streamed token (pagedserve/bench.py's client). Requests sent before --warmup are load but not measured; a
 tenant's throughput counts the output tokens that reached the client inside the window from --warmup to
 --duration, so an overloaded tenant's backlog does not stretch it. After the window, open requests get --drain
 seconds, then are cut (the client disconnects, and with no reconnect grace the stack aborts them): one cut before
@@ -49,10 +49,10 @@ from typing import Any, Iterator
 import aiohttp
 import numpy as np
 
-from benchmarks.serving import (BenchmarkError, Endpoint, ModelFacts, RequestOutput, _stats_ms, discover_model,
+from pagedserve.bench import (BenchmarkError, Endpoint, ModelFacts, RequestOutput, _stats_ms, discover_model,
                                 model_facts, parse_prometheus, send_completion, write_report)
 from benchmarks.up_process import UpProcess
-from benchmarks.workloads import SampleRequest, WorkloadSpec, arrival_times, build_requests
+from pagedserve.workloads import SampleRequest, WorkloadSpec, arrival_times, build_requests
 from pagedserve.ports import free_port
 from shared.model_dir import default_model_dir
 

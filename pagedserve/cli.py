@@ -57,14 +57,7 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _bench(argv: list[str]) -> int:
-    """`pagedserve bench ARGS` runs benchmarks/serving.py, which lives in a source checkout only."""
-    root = Path(__file__).resolve().parent.parent
-    if not (root / "benchmarks" / "serving.py").is_file():
-        print(f"pagedserve: error: `bench` needs a source checkout (no benchmarks/serving.py under {root})",
-              file=sys.stderr)
-        return 2
-    sys.path.insert(0, str(root))
-    from benchmarks.serving import main as bench_main
+    from pagedserve.bench import main as bench_main
 
     return bench_main(argv)
 

@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks.contiguous import reserving_scheduler
 from benchmarks.discrete_event import Simulation
-from benchmarks.workloads import SampleRequest
+from pagedserve.workloads import SampleRequest
 from gpu_worker.cost_model import get_profile
 from shared.settings import Settings
 

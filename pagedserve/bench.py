@@ -5,11 +5,9 @@ token-id lists with `ignore_eos` so that output lengths hold, and reports throug
 way vLLM's benchmark and paper do (normalized latency = end-to-end latency / output tokens). While it
 runs it samples the endpoint's Prometheus /metrics (KV cache usage over time) for benchmarks/plot.py.
 
-    python -m benchmarks.serving --base-url http://127.0.0.1:8000 --model-dir DIR \\
+    pagedserve bench --base-url http://127.0.0.1:8000 --model-dir DIR \\
         --dataset sharegpt --length-scale 0.25 --num-prompts 200 --sweep 1,2,4,8 \\
         --label pagedserve --json-out benchmarks/results/pagedserve-sharegpt.json
-
-`pagedserve bench ARGS` runs the same `main(ARGS)` from a source checkout.
 """
 from __future__ import annotations
 
@@ -29,7 +27,7 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks.workloads import DATASETS, SampleRequest, WorkloadSpec, arrival_times, build_requests
+from pagedserve.workloads import DATASETS, SampleRequest, WorkloadSpec, arrival_times, build_requests
 from shared.model_dir import ModelDirError, eos_token_ids, max_model_len, read_config
 
 DEFAULT_METRICS_PATTERN = r"kv_cache_usage|cache_usage_perc|requests_running|requests_waiting|preempt"
