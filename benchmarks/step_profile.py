@@ -163,7 +163,7 @@ def profile_prefill(model_dir: Path, dtype: str, backend: str, length: int, repe
         worker.execute(StepPlan(wid, 0, next(step_ids),
                                 new_sequences=[NewSequence(seq, str(seq), 0, prompt, [], params)],
                                 scheduled=[ScheduledSequence(seq, 0, length, new_block_ids=blocks)]))
-        forget(StepPlan(wid, 0, next(step_ids), finished=[seq]))
+        forget(StepPlan(wid, 0, next(step_ids), freed=[seq]))
 
     return _timed(worker, prefill, repeats, wall)
 

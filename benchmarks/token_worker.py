@@ -34,7 +34,7 @@ class TokenWorker:
         self.seqs: dict[int, TokenSeq] = {}
 
     def execute(self, plan: StepPlan) -> StepResult:
-        for seq_id in plan.finished:
+        for seq_id in plan.freed:
             self.seqs.pop(seq_id, None)
         for new in plan.new_sequences:
             prompt = new.prompt_token_ids

@@ -43,7 +43,8 @@ class Delta:
 
 
 @dataclass(slots=True)
-class Sample:
+class SampleText:
+    """One sample of a request as the gateway turns its tokens into text: detokenized, held back at stop strings."""
     detok: IncrementalDetokenizer
     stop: StopStrings
     token_ids: list[int] = field(default_factory=list)
@@ -63,7 +64,7 @@ class RequestTracker:
                  logger: logging.Logger | logging.LoggerAdapter = log) -> None:
         self.rid = rid
         self.fold = OutputFold(n, max_tokens)
-        self.samples = [Sample(IncrementalDetokenizer.after_prompt(decode, prompt_ids, appended_text),
+        self.samples = [SampleText(IncrementalDetokenizer.after_prompt(decode, prompt_ids, appended_text),
                                StopStrings(list(stops), include_stop)) for _ in range(n)]
         self.running = n  # samples not finished yet
         self.prompt_len = len(prompt_ids)

@@ -1,12 +1,12 @@
 """The worker core (sans-IO): a step plan in, a step result out.
 
 It keeps each sequence's tokens, parameters and block table between steps and applies a plan in the
-order the protocol fixes (shared/protocol.py, StepPlan): new epoch → forget finished → swap out →
+order the protocol fixes (shared/protocol.py, StepPlan): new epoch → free the freed → swap out →
 swap in → copies → register new sequences → one forward pass → sample. A sequence the plan cannot run
 (token ids outside the vocabulary, an unknown id, a table that does not cover its tokens) is refused
 alone: its request gets a failure entry in the result and the rest of the step runs. A plan that is
 unusable as a whole (another worker's, block moves out of range) is refused before anything changes,
-with a StepResult carrying the error. A sequence that ended here (its last token out, or its step
+with a StepResult carrying the error. A sequence that stopped here (its last token out, or its step
 failed, or it was refused) is skipped from then on: with async scheduling the plan after it was made
 before the scheduler knew.
 """
@@ -54,10 +54,10 @@ class Worker:
         self.vocab_size = registration.vocab_size
         self.epoch: int | None = None
         self.seqs: dict[int, SequenceState] = {}
-        # Sequences that ended here: finished, or in a step that failed or was refused (the scheduler fails
-        # their requests). A plan made before the scheduler knew may still list them; they are skipped until a
-        # plan's `finished` forgets them.
-        self.ended: set[int] = set()
+        # Sequences that stopped here: their last token out, or their step failed or was refused (the scheduler
+        # fails their requests). A plan made before the scheduler knew may still list them; they are skipped until
+        # a plan frees them.
+        self.stopped: set[int] = set()
 
     @classmethod
     def load(cls, settings: Settings, worker_id: str = "worker-0", progress: bool = True) -> "Worker":
@@ -92,11 +92,11 @@ class Worker:
         except PlanError as e:
             log.error("refused step %d of epoch %d: %s", plan.step_id, plan.epoch, e)
             self._enter_epoch(plan.epoch)
-            self._forget(plan.finished)
-            self.ended.update(self._step_seq_ids(plan))
+            self._free(plan.freed)
+            self.stopped.update(self._step_seq_ids(plan))
             return StepResult(reg.worker_id, plan.epoch, plan.step_id, error=f"bad step plan: {e}")
         self._enter_epoch(plan.epoch)
-        self._forget(plan.finished)
+        self._free(plan.freed)
         cache = self.runner.cache
         cache.swap_out(plan.swap_out)
         cache.swap_in(plan.swap_in)
@@ -111,11 +111,11 @@ class Worker:
                         continue
                     seq.grammar = SequenceGrammar(seq.params.constraint, self.vocab_size)
                 self.seqs[msg.seq_id] = seq
-                self.ended.discard(msg.seq_id)  # an id named by a refused plan that never registered it
-        self.ended.update(failed)
+                self.stopped.discard(msg.seq_id)  # an id named by a refused plan that never registered it
+        self.stopped.update(failed)
         chunks = []
         for item in plan.scheduled:
-            if item.seq_id in self.ended:
+            if item.seq_id in self.stopped:
                 continue
             seq = self.seqs[item.seq_id]
             seq.token_ids += item.append_token_ids
@@ -132,14 +132,14 @@ class Worker:
         try:
             sampled_tokens = self.runner.execute(chunks, self.eos_token_ids)
         except Exception:
-            self.ended.update(self._step_seq_ids(plan))
+            self.stopped.update(self._step_seq_ids(plan))
             raise
         # a sequence whose grammar failed (it rejects the output a resumed request brings, or its work ran out of
         # fuel) is failed alone: its token, sampled unconstrained, is dropped
         broken = {seq.seq_id: seq.grammar.error for seq, _ in sampled_tokens
                   if seq.grammar is not None and seq.grammar.error is not None}
         failed |= broken
-        self.ended.update(broken)
+        self.stopped.update(broken)
         outputs = self._refusals(plan, failed)
         beams = []
         for seq, sampled in sampled_tokens:
@@ -153,7 +153,7 @@ class Worker:
             reason = finish_reason(seq.params, seq.output_token_ids, len(seq.token_ids), reg.max_model_len,
                                    self.eos_token_ids)
             if reason is not None:
-                self.ended.add(seq.seq_id)
+                self.stopped.add(seq.seq_id)
             first = seq.reports_prompt and output_index == 0
             outputs.append(TokenOutput(seq.rid, seq.sample_index, output_index, sampled.token_id, sampled.logprob,
                                        sampled.top_logprobs, reason, worker_id=reg.worker_id, epoch=plan.epoch,
@@ -189,13 +189,13 @@ class Worker:
         """A new scheduler: what the old one had sent means nothing now."""
         if epoch != self.epoch:
             self.seqs.clear()
-            self.ended.clear()
+            self.stopped.clear()
             self.epoch = epoch
 
-    def _forget(self, seq_ids: list[int]) -> None:
+    def _free(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
             self.seqs.pop(seq_id, None)
-            self.ended.discard(seq_id)
+            self.stopped.discard(seq_id)
 
     @staticmethod
     def _step_seq_ids(plan: StepPlan) -> list[int]:
@@ -208,7 +208,7 @@ class Worker:
         reg = self._registration
         if plan.worker_id != reg.worker_id:
             raise PlanError(f"plan for worker {plan.worker_id!r} reached {reg.worker_id!r}")
-        live = set() if plan.epoch != self.epoch else set(self.seqs) - set(plan.finished)
+        live = set() if plan.epoch != self.epoch else set(self.seqs) - set(plan.freed)
         _check_pairs("swap_out", plan.swap_out, (1, reg.num_blocks), (0, reg.num_swap_blocks))
         _check_pairs("swap_in", plan.swap_in, (0, reg.num_swap_blocks), (1, reg.num_blocks))
         _check_pairs("copies", plan.copies, (1, reg.num_blocks), (1, reg.num_blocks))
@@ -233,11 +233,11 @@ class Worker:
                                        prompts[parent] if parent in prompts else self.seqs[parent].num_prompt_tokens)
                 lengths[msg.seq_id] = prompts[msg.seq_id] + len(msg.output_token_ids)
         seen = set()
-        ended = (self.ended - set(plan.finished) - {m.seq_id for m in plan.new_sequences}
+        stopped = (self.stopped - set(plan.freed) - {m.seq_id for m in plan.new_sequences}
                  if plan.epoch == self.epoch else set())
         for item in plan.scheduled:
             sid = item.seq_id
-            if sid in ended or sid in failed:
+            if sid in stopped or sid in failed:
                 continue  # skipped, whatever the plan says of it
             reason = self._item_problem(item, sid in live, lengths.get(sid), sid in seen)
             seen.add(sid)
@@ -250,7 +250,7 @@ class Worker:
         reg = self._registration
         sid = item.seq_id
         if not known:
-            return f"sequence {sid} is scheduled but unknown (never sent or already finished)"
+            return f"sequence {sid} is scheduled but unknown (never sent or already freed)"
         if again:
             return f"sequence {sid} is scheduled twice"
         length = (new_length if new_length is not None else len(self.seqs[sid].token_ids)) + len(item.append_token_ids)

@@ -104,7 +104,7 @@ class Cluster:
             return
         self._past_preemptions += ws.num_preemptions
         self.oldest_steps.pop(worker_id, None)
-        self._collect(ws.ended)  # nothing in flight there will come back
+        self._collect(ws.finished)  # nothing in flight there will come back
         for rs in sorted(ws.requests, key=ORDER):
             ws.unseat(rs)
             rs.seqs = []
@@ -323,7 +323,7 @@ class Cluster:
     def pop_finished(self) -> list[FinishedRequest]:
         """Requests that ended, each once, as soon as no plan in flight still carries it."""
         for ws in self.workers.values():
-            self._collect(ws.pop_ended())
+            self._collect(ws.pop_finished())
         done, self.finished = self.finished, []
         return done
 

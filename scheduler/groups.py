@@ -18,13 +18,13 @@ from shared.sampling import finish_reason
 
 if TYPE_CHECKING:  # a group acts on its request's scheduler: types only, never an import cycle at run time
     from scheduler.pacing import Lookahead, Synchronous
-    from scheduler.request import RequestState, Sequence
+    from scheduler.request import RequestState, SeqState
     from scheduler.worker_scheduler import WorkerScheduler
 
 
 class Chunk(NamedTuple):
     """A sequence's tokens to compute in a step being built."""
-    seq: Sequence
+    seq: SeqState
     num_new: int
     emits_token: bool  # they reach the sequence's end: the worker samples a token
 
@@ -85,11 +85,11 @@ class ForkingGroup:
 class SamplingGroup(ForkingGroup):
     samples_tokens: ClassVar[bool] = True
 
-    def reports(self, rs: RequestState, seq: Sequence, end: int) -> bool:
+    def reports(self, rs: RequestState, seq: SeqState, end: int) -> bool:
         """Whether a chunk to `end` that samples no token has the worker report candidates: never here."""
         return False
 
-    def token(self, ws: WorkerScheduler, rs: RequestState, seq: Sequence, token_id: int) -> None:
+    def token(self, ws: WorkerScheduler, rs: RequestState, seq: SeqState, token_id: int) -> None:
         """A token the worker sampled: appended to its sample, which may end there (and the request with it)."""
         output = rs.outputs[seq.sample_index]
         output.append(token_id)
@@ -113,11 +113,11 @@ class BeamGroup(ForkingGroup):
     samples_tokens: ClassVar[bool] = False
     search: BeamSearch = field(kw_only=True)  # its samples are the live beams, best first
 
-    def reports(self, rs: RequestState, seq: Sequence, end: int) -> bool:
+    def reports(self, rs: RequestState, seq: SeqState, end: int) -> bool:
         """A chunk to the beam's end has the worker report its candidates."""
         return end == rs.num_tokens(seq)
 
-    def candidates(self, ws: WorkerScheduler, rs: RequestState, seq: Sequence, top: list[tuple[int, float]]) -> None:
+    def candidates(self, ws: WorkerScheduler, rs: RequestState, seq: SeqState, top: list[tuple[int, float]]) -> None:
         """A beam's candidates; once every live beam reported, the search advances."""
         self.search.reported[seq.sample_index] = top
         if len(self.search.reported) == len(rs.outputs):

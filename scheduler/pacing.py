@@ -8,7 +8,7 @@ its token: short of blocks, it ends there, and the worker's pipeline drains befo
 """
 from __future__ import annotations
 
-from scheduler.request import RequestState, Sequence
+from scheduler.request import RequestState, SeqState
 
 
 class Synchronous:
@@ -17,7 +17,7 @@ class Synchronous:
     def may_plan(self, num_in_flight: int) -> bool:
         return num_in_flight == 0
 
-    def target(self, rs: RequestState, seq: Sequence, known: int) -> int:
+    def target(self, rs: RequestState, seq: SeqState, known: int) -> int:
         """The tokens the sequence's KV should cover, given the `known` ones it has to."""
         return known
 
@@ -25,10 +25,10 @@ class Synchronous:
         """A running request's chunks do not fit: may the step preempt (True), or must it end here?"""
         return True
 
-    def scheduled(self, seq: Sequence, emits_token: bool) -> None:
+    def scheduled(self, seq: SeqState, emits_token: bool) -> None:
         """A chunk of `seq` went into a plan."""
 
-    def token_arrived(self, seq: Sequence) -> None:
+    def token_arrived(self, seq: SeqState) -> None:
         """A token `seq` emitted came back."""
 
 
@@ -45,12 +45,12 @@ class Lookahead:
             return True
         return num_in_flight == 1 and not self.draining
 
-    def target(self, rs: RequestState, seq: Sequence, known: int) -> int:
+    def target(self, rs: RequestState, seq: SeqState, known: int) -> int:
         if seq.num_placeholders and self._token_in_flight_ends(rs, seq):
             return seq.num_computed  # nothing after a token that is sure to be its last
         return known + seq.num_placeholders
 
-    def _token_in_flight_ends(self, rs: RequestState, seq: Sequence) -> bool:
+    def _token_in_flight_ends(self, rs: RequestState, seq: SeqState) -> bool:
         """Whether the sequence's tokens in flight are sure to end it (max_tokens or max_model_len; an EOS
         cannot be foreseen: the worker skips a sequence it saw end)."""
         return (len(rs.outputs[seq.sample_index]) + seq.num_placeholders >= rs.req.params.max_tokens
@@ -62,8 +62,8 @@ class Lookahead:
         self.draining = True
         return False
 
-    def scheduled(self, seq: Sequence, emits_token: bool) -> None:
+    def scheduled(self, seq: SeqState, emits_token: bool) -> None:
         seq.num_placeholders += emits_token
 
-    def token_arrived(self, seq: Sequence) -> None:
+    def token_arrived(self, seq: SeqState) -> None:
         seq.num_placeholders -= 1

@@ -48,13 +48,14 @@ class FinishedRequest:
 
 
 @dataclass(slots=True, eq=False)
-class Sequence:
+class SeqState:
+    """The scheduler's side of one sequence on its worker (the worker's is gpu_worker/sequence.py's SequenceState)."""
     seq_id: int
     sample_index: int  # which of its request's samples (or live beams) it computes
     num_computed: int = 0  # tokens whose KV is in the cache, or will be once the plans sent are done
     num_placeholders: int = 0  # lookahead only: tokens sampled by plans in flight, not known yet
     sent: bool = False  # the worker has its NewSequence
-    fork_of: Sequence | None = None  # forked from this one: while it lives on the worker, the prompt comes from there
+    fork_of: SeqState | None = None  # forked from this one: while it lives on the worker, the prompt comes from there
     resend_table: bool = False  # the worker's block table must be replaced (after swap-in)
     appended: list[int] = field(default_factory=list)  # tokens the scheduler chose, not yet sent (beams)
 
@@ -67,7 +68,7 @@ class RequestState:
     reasons: list[str | None]  # per sample index: why it ended, None while it goes on
     status: Status = Status.WAITING
     worker_id: str | None = None
-    seqs: list[Sequence] = field(default_factory=list)  # live sequences on its worker
+    seqs: list[SeqState] = field(default_factory=list)  # live sequences on its worker
     unplaced_since: float | None = None  # first time the cluster saw it with no worker
     prompt_hashes: dict[bytes, list[bytes]] = field(default_factory=dict)  # extra keys → block hashes
     uncached: int = 0  # prompt tokens its worker had not cached when it was placed there
@@ -103,7 +104,7 @@ class RequestState:
     def tokens(self, sample_index: int) -> list[int]:
         return self.prompt + self.outputs[sample_index]
 
-    def num_tokens(self, seq: Sequence) -> int:
+    def num_tokens(self, seq: SeqState) -> int:
         return len(self.req.prompt_token_ids) + len(self.outputs[seq.sample_index])
 
     def fork_point(self) -> int | None:

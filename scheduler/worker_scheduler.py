@@ -37,7 +37,7 @@ from scheduler.kv_cache_manager import Growth, KVCacheManager, Opening, Slots, W
 from scheduler.ledger import Ledger
 from scheduler.pacing import Lookahead, Synchronous
 from scheduler.policy import policy_for
-from scheduler.request import FinishedRequest, RequestState, Sequence, Status
+from scheduler.request import FinishedRequest, RequestState, SeqState, Status
 from scheduler.reservation import OnDemand, Reservation
 from shared.protocol import (
     FAILED, NewSequence, ScheduledSequence, StepPlan, StepResult, WorkerRegistration, WorkerStats,
@@ -59,7 +59,7 @@ class Ids:
 class Scheduled:
     """One sequence's chunk in a plan in flight."""
     rs: RequestState
-    seq: Sequence
+    seq: SeqState
     start: int
     num_new: int
     emits_token: bool  # the chunk reaches the sequence's end: the worker samples a token
@@ -122,8 +122,8 @@ class WorkerScheduler:
         self.preempted: list[RequestState] = []  # recompute or swapped; rank order
         self.running: list[RequestState] = []  # rank order
         self.in_flight: deque[InFlight] = deque()  # plans sent, oldest first
-        self.to_forget: list[int] = []  # seq ids the worker may forget: the next plan's `finished`
-        self.ended: list[FinishedRequest] = []  # see pop_ended
+        self.to_free: list[int] = []  # seq ids the worker may drop: the next plan's `freed`
+        self.finished: list[FinishedRequest] = []  # see pop_finished
         self.num_preemptions = 0
         self.num_steps = 0
         self.plan_wait = 0.0  # seconds the worker reported waiting for plans: where this scheduler kept it waiting
@@ -179,7 +179,7 @@ class WorkerScheduler:
         plan = step.plan
         if not (step.chunks or plan.swap_out or plan.swap_in or plan.copies):
             return None
-        plan.finished, self.to_forget = self.to_forget, []
+        plan.freed, self.to_free = self.to_free, []
         self.in_flight.append(InFlight(plan.step_id, step.chunks))
         self.num_steps += 1
         return plan
@@ -249,10 +249,10 @@ class WorkerScheduler:
             step.seqs_left -= 1
         self.ledger.charge(rs.req.tenant, prefill, computed - prefill)
 
-    def fork(self, parent: Sequence, sample_index: int, num_tokens: int) -> Sequence:
+    def fork(self, parent: SeqState, sample_index: int, num_tokens: int) -> SeqState:
         """A new sequence for the sample, sharing the parent's blocks of its first `num_tokens` (copy-on-write on
         its first write into one)."""
-        child = Sequence(next(self.ids.seqs), sample_index, num_computed=num_tokens, fork_of=parent)
+        child = SeqState(next(self.ids.seqs), sample_index, num_computed=num_tokens, fork_of=parent)
         self.kv.fork(parent.seq_id, child.seq_id, num_tokens)
         return child
 
@@ -272,17 +272,17 @@ class WorkerScheduler:
         bisect.insort(self.preempted, rs, key=ORDER)
 
     def _release(self, rs: RequestState) -> None:
-        """Free every block of the request's sequences; the worker forgets those it knows."""
+        """Free every block of the request's sequences, and the worker's state of those it knows."""
         for seq in rs.seqs:
             self.drop(seq)
         rs.seqs = []
         rs.group.released()
 
-    def drop(self, seq: Sequence) -> None:
-        """Free the sequence's blocks; the worker forgets it if it knows it."""
+    def drop(self, seq: SeqState) -> None:
+        """Free the sequence's blocks, and the worker's state of it if it knows it."""
         self.kv.free(seq.seq_id)
         if seq.sent:
-            self.to_forget.append(seq.seq_id)
+            self.to_free.append(seq.seq_id)
 
     # ---- admission ------------------------------------------------------------------------
     def _admit_all(self, step: StepBuilder) -> None:
@@ -338,7 +338,7 @@ class WorkerScheduler:
         start = rs.group.start(rs)
         prompt_hashes = self._prompt_hashes(rs)
         opens = []
-        seqs: list[Sequence] = []
+        seqs: list[SeqState] = []
         chunks: list[Chunk] = []
         budget, seqs_left = step.budget, step.seqs_left
         for i in start.samples:
@@ -348,7 +348,7 @@ class WorkerScheduler:
             # The prompt logprobs asked for come from computing every prompt position: no prefix hit then.
             fresh = rs.req.params.prompt_logprobs is not None and not rs.outputs[i]
             hits = [] if fresh else self.kv.find_prefix(hashes, end + (start.shared_end is not None))
-            seq = Sequence(next(self.ids.seqs), i, num_computed=len(hits) * self.kv.block_size)
+            seq = SeqState(next(self.ids.seqs), i, num_computed=len(hits) * self.kv.block_size)
             seqs.append(seq)
             opens.append(Opening(seq.seq_id, hits, hashes, len(tokens)))
             num_new = min(end - seq.num_computed, budget) if seqs_left else 0
@@ -452,7 +452,7 @@ class WorkerScheduler:
     # ---- ending ---------------------------------------------------------------------------
     def finish(self, rs: RequestState, reason: str, error: str | None = None, error_kind: str | None = None,
                beams: list[Hypothesis] | None = None, retry_after: float | None = None) -> None:
-        """End the request here: free its blocks at once; its end is reported by pop_ended."""
+        """Finish the request here: free its blocks at once; pop_finished reports it."""
         if rs.status is Status.FINISHED:
             return
         self._release(rs)
@@ -461,7 +461,7 @@ class WorkerScheduler:
             if rs in queue:
                 queue.remove(rs)
         rs.status = Status.FINISHED
-        self.ended.append(FinishedRequest(rs.rid, reason, error, error_kind, beams, retry_after))
+        self.finished.append(FinishedRequest(rs.rid, reason, error, error_kind, beams, retry_after))
 
     def unseat(self, rs: RequestState) -> None:
         """The request no longer runs here: its tenant's running sequences go down by those it counted."""
@@ -469,14 +469,14 @@ class WorkerScheduler:
             self.ledger.seated(rs.req.tenant.name, -rs.seats)
             rs.seats = 0
 
-    def pop_ended(self) -> list[FinishedRequest]:
+    def pop_finished(self) -> list[FinishedRequest]:
         """Requests that ended here and that no plan in flight carries any more: the worker writes the tokens
         of a plan it runs, and none may follow the request's end on its stream."""
-        if not self.ended:
+        if not self.finished:
             return []
         carried = {c.rs.rid for flight in self.in_flight for c in flight.chunks}
-        done = [f for f in self.ended if f.rid not in carried]
-        self.ended = [f for f in self.ended if f.rid in carried]
+        done = [f for f in self.finished if f.rid not in carried]
+        self.finished = [f for f in self.finished if f.rid in carried]
         return done
 
 

@@ -18,7 +18,7 @@ import msgpack
 from shared.sampling import SamplingParams
 from shared.tenants import Tenant
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 # Why the scheduler ended a request with an error, so the gateway can answer with the right status.
 REJECTED = "rejected"  # the request can never be served as sent (e.g. longer than any worker's cache): 400
 UNAVAILABLE = "unavailable"  # no worker took it in time: 503, worth retrying
@@ -114,7 +114,7 @@ class ScheduledSequence:
 class StepPlan:
     """scheduler → worker (`plans:{worker}` stream): one step, as deltas against the worker's state.
 
-    Order of work on the worker: forget `finished`, swap out, swap in, copies, then the forward pass.
+    Order of work on the worker: free `freed`, swap out, swap in, copies, then the forward pass.
     """
     worker_id: str
     epoch: int
@@ -124,7 +124,7 @@ class StepPlan:
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src block, dst block)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, swap block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (swap block, device block)
-    finished: list[int] = field(default_factory=list)  # seq ids the worker may forget
+    freed: list[int] = field(default_factory=list)  # seq ids whose state the worker drops (their blocks are free)
 
 
 @dataclass(slots=True)

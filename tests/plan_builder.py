@@ -59,7 +59,7 @@ class PlanBuilder:
         self.copies: list[tuple[int, int]] = []
         self.swap_out_pairs: list[tuple[int, int]] = []
         self.swap_in_pairs: list[tuple[int, int]] = []
-        self.finished: list[int] = []
+        self.freed: list[int] = []
 
     def _alloc(self) -> int:
         block = self.free.pop()
@@ -120,16 +120,16 @@ class PlanBuilder:
         seq.num_computed += num_new
         self.scheduled.append(item)
 
-    def finish(self, seq: Seq) -> None:
+    def drop(self, seq: Seq) -> None:
         """Free the sequence (finished, aborted or preempted by recompute)."""
         for block in reversed(seq.blocks):
             self._release(block)
         seq.blocks = []
-        self.finished.append(seq.seq_id)
+        self.freed.append(seq.seq_id)
 
     def recompute(self, seq: Seq) -> Seq:
         """Preempt by recompute: free `seq`, re-send prompt + outputs so far as a new sequence."""
-        self.finish(seq)
+        self.drop(seq)
         return self.add(seq.prompt, seq.params, seq.rid, seq.sample_index, seq.outputs)
 
     def swap_out(self, seq: Seq) -> None:
@@ -148,7 +148,7 @@ class PlanBuilder:
 
     def plan(self) -> StepPlan:
         plan = StepPlan(self.worker_id, self.epoch, next(self._steps), self.new, self.scheduled, self.copies,
-                        self.swap_out_pairs, self.swap_in_pairs, self.finished)
+                        self.swap_out_pairs, self.swap_in_pairs, self.freed)
         self._reset_pending()
         return plan
 

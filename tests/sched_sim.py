@@ -50,7 +50,7 @@ class SimWorker:
             self.epoch, self.seqs, self.last_step = plan.epoch, {}, -1
         assert plan.step_id > self.last_step, "step ids grow"
         self.last_step = plan.step_id
-        for seq_id in plan.finished:
+        for seq_id in plan.freed:
             self.seqs.pop(seq_id, None)
         for dev, swap in plan.swap_out:
             assert 0 < dev < self.reg.num_blocks and 0 <= swap < self.reg.num_swap_blocks

@@ -25,7 +25,7 @@ EXAMPLES = [
     StepPlan("w0", 3, 17,
              new_sequences=[NewSequence(5, "r1", 1, [1, 2, 3], [9], PARAMS)],
              scheduled=[ScheduledSequence(5, 0, 4, [7, 8]), ScheduledSequence(6, 30, 1, [], [1, 2, 3])],
-             copies=[(7, 9)], swap_out=[(3, 0)], swap_in=[(1, 4)], finished=[2, 3]),
+             copies=[(7, 9)], swap_out=[(3, 0)], swap_in=[(1, 4)], freed=[2, 3]),
     StepResult("w0", 3, 17, [TokenOutput("r1", 1, 0, 42, -0.25, [(42, -0.25), (7, -1.5)], "stop")]),
     StepResult("w0", 3, 18, [], "CUDA out of memory"),
     TokenOutput("r9", -1, 0, -1, finish_reason="error", error="prompt too long"),

@@ -74,7 +74,7 @@ def test_latest_arrival_is_preempted_and_the_earliest_resumes_first(mode):
         victims += [(step, rid) for rid in out]
         resumed += [(step, rid) for rid in parked if rid not in now_parked]
         if mode == "recompute":
-            assert {s.seq_id for rid in out for s in running[rid].seqs if s.sent} <= set(plan.finished)
+            assert {s.seq_id for rid in out for s in running[rid].seqs if s.sent} <= set(plan.freed)
         else:
             assert {dev for dev, _ in plan.swap_out} == set().union(*(held[rid] for rid in out))
         for new in plan.new_sequences:
@@ -437,7 +437,7 @@ def test_abort_frees_blocks_and_tells_the_worker():
     assert sched.pop_finished() == [FinishedRequest("r", "abort")]
     assert used_blocks(sched) == 0 and not sched.has_unfinished()
     sched.add_request(request("s", max_tokens=1))
-    assert sched.schedule("w0").finished == [seq_id]
+    assert sched.schedule("w0").freed == [seq_id]
 
 
 def test_an_abort_while_the_step_runs_drops_its_tokens():

@@ -120,7 +120,7 @@ def test_a_grammar_that_rejects_a_resumed_output_fails_that_request_alone(tiny_m
     result = step(worker, builder)
     failures = [out for out in result.outputs if out.sample_index < 0]
     assert [f.rid for f in failures] == [bad.rid] and "breaks its constraint" in failures[0].error
-    builder.finish(bad)
+    builder.drop(bad)
     run_until(worker, builder, [good, plain], 6)
     text = tokenizer.decode(good.outputs, skip_special_tokens=True)
     assert re.fullmatch("[0-9]+", text) and text.startswith("12"), text

@@ -80,7 +80,7 @@ def test_only_a_chunk_that_reaches_the_end_samples_and_tables_grow_by_the_plans_
     assert forwards[1][3] == a.blocks[:3] and len(forwards[0][3]) == 1
 
 
-def test_a_finished_sequence_is_skipped_until_the_scheduler_forgets_it():
+def test_a_stopped_sequence_is_skipped_until_the_scheduler_frees_it():
     worker, runner, builder = make(eos_at=6)
     a = builder.add([5] * 5, SamplingParams(temperature=0.0, max_tokens=20))  # reaches 6 tokens, and EOS, first
     b = builder.add([6] * 2)
@@ -88,16 +88,16 @@ def test_a_finished_sequence_is_skipped_until_the_scheduler_forgets_it():
         builder.schedule(a)
         builder.schedule(b)
         builder.apply(worker.execute(builder.plan()))
-    assert a.finish_reasons[-1] == "stop" and a.seq_id in worker.ended
+    assert a.finish_reasons[-1] == "stop" and a.seq_id in worker.stopped
     builder.schedule(b)
     runner.calls.clear()
     lookahead = builder.plan()  # as if planned before the scheduler knew a had stopped
     lookahead.scheduled.insert(0, type(lookahead.scheduled[0])(a.seq_id, len(a.tokens) - 1, 1))
     result = worker.execute(lookahead)
     assert [s for s, *_ in runner.calls[0][1]] == [b.seq_id] and [o.rid for o in result.outputs] == [b.rid]
-    builder.finish(a)
+    builder.drop(a)
     worker.execute(builder.plan())
-    assert a.seq_id not in worker.ended and a.seq_id not in worker.seqs
+    assert a.seq_id not in worker.stopped and a.seq_id not in worker.seqs
 
 
 def test_a_new_epoch_forgets_every_sequence():

@@ -171,7 +171,7 @@ def test_new_epoch_drops_state(model):
     stale = StepPlan(builder.worker_id, 1, 0, scheduled=[ScheduledSequence(a.seq_id, len(a.tokens) - 1, 1)])
     result = worker.execute(stale)
     assert result.outputs == [] and result.error is None, "an unknown sequence is skipped, its request unknown"
-    assert a.seq_id in worker.ended and not worker.seqs
+    assert a.seq_id in worker.stopped and not worker.seqs
     fresh = PlanBuilder(builder.worker_id, NUM_BLOCKS, BLOCK_SIZE, epoch=1)
     b = fresh.add(prompt)
     assert b.seq_id == a.seq_id  # ids restart with the epoch
@@ -203,7 +203,7 @@ def test_plans_unusable_as_a_whole_are_refused_whole(model):
         assert result.outputs == [] and set(worker.seqs) == {a.seq_id}
         assert (worker.seqs[a.seq_id].token_ids, worker.seqs[a.seq_id].block_table) == (tokens, table)
         named = {m.seq_id for m in plan.new_sequences} | {item.seq_id for item in plan.scheduled}
-        assert (a.seq_id in worker.ended) == (a.seq_id in named)
+        assert (a.seq_id in worker.stopped) == (a.seq_id in named)
     b = builder.add(prompt)
     run_until(worker, builder, [b], NEW)
     assert b.outputs == hf.greedy(prompt, NEW)
@@ -242,7 +242,7 @@ def test_a_sequence_the_worker_cannot_run_fails_its_request_alone(model):
         assert needle in failures[0].error and failures[0].finish_reason == "error"
         builder.apply(result)
         if victim == b.rid:
-            builder.finish(b)
+            builder.drop(b)
         run_until(worker, builder, [a], NEW)
         assert a.outputs == hf.greedy(first, NEW), needle
 
@@ -317,11 +317,11 @@ def test_a_failed_step_takes_down_only_its_own_sequences_in_the_plan_after_it(mo
     result = worker.execute(ahead)
     assert result.error is None and [out.rid for out in result.outputs] == [c.rid]
     builder.apply(result)
-    builder.finish(a)  # the scheduler failed their requests
-    builder.finish(b)
+    builder.drop(a)  # the scheduler failed their requests
+    builder.drop(b)
     run_until(worker, builder, [c], 6)
     assert c.outputs == hf.greedy(third, 6)
-    assert not worker.ended and a.seq_id not in worker.seqs and b.seq_id not in worker.seqs
+    assert not worker.stopped and a.seq_id not in worker.seqs and b.seq_id not in worker.seqs
 
 
 def test_a_refused_plan_does_not_take_down_the_plan_after_it(model):
@@ -340,9 +340,9 @@ def test_a_refused_plan_does_not_take_down_the_plan_after_it(model):
     result = worker.execute(ahead)
     assert result.error is None and [out.rid for out in result.outputs] == [b.rid]
     builder.apply(result)
-    builder.finish(a)
+    builder.drop(a)
     run_until(worker, builder, [b], 4)
-    assert b.outputs == hf.greedy(second, 4) and not worker.ended
+    assert b.outputs == hf.greedy(second, 4) and not worker.stopped
 
 
 def test_logprobs_are_the_model_distribution(model):
