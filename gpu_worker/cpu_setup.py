@@ -8,9 +8,9 @@ share the machine and gives each its cores (`stack_placement`); a worker started
 settings as given.
 
 glibc's malloc serves big blocks (activations, gathered keys and values of a large batch) with a fresh
-mmap each time and returns them on free, so every such op pays a page fault per 4 KiB: a 33 MB gather took
-17 ms of CPU instead of 3 here. `reuse_freed_memory` keeps them in the heap, as the tcmalloc that vLLM's
-CPU backend preloads does.
+mmap each time and returns them on free, so every such op pays a page fault per 4 KiB (several times the op's own
+time for a large gather: benchmarks/results/cpu-efficiency-log-2026-12.md). `reuse_freed_memory` keeps them in
+the heap, as the tcmalloc that vLLM's CPU backend preloads does.
 """
 from __future__ import annotations
 

@@ -1,14 +1,13 @@
 """The gated MLP's SiLU and product of bfloat16 activations on the CPU through kernels/cpu_act.c.
 
-torch computes `F.silu(gate) * up` as two ops over a strided view of the merged gate|up projection: 88 µs for
-64 rows of 2,048 here and 6.5 ms for 2,048 rows (a prefill step of the ~100M Llama: 8 layers of it, ~50 ms),
-where the kernel takes 78 µs and 2.6 ms. It computes the same (float32, rounded to bfloat16 after the SiLU and
+torch computes `F.silu(gate) * up` as two ops over a strided view of the merged gate|up projection; the kernel
+does it in one pass, over twice as fast on a prefill step's rows (benchmarks/results/cpu-efficiency-log-2026-12.md).
+It computes the same (float32, rounded to bfloat16 after the SiLU and
 after the product) in one pass; its exponential is not always torch's to the last bit, so an output may differ
 from torch's by one bfloat16 step, rarely, and a row's do not depend on the batch. Only where the kernel was
 built with AVX-512: its scalar loop alone is slower than torch. Where the linears run on AMX tiles or AVX-512
 BF16's dot products, the merged gate|up projection does it in its epilogue (a gated NativeLinear): its output,
-twice the activation's, is then neither written out nor read back (a prefill step of 16 × 128 tokens of the
-~100M Llama: ~5 % less time on AMX).
+twice the activation's, is then neither written out nor read back (a prefill step's memory traffic less).
 """
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """RMSNorm of bfloat16 activations on the CPU through kernels/cpu_norm.c.
 
-torch's F.rms_norm takes ~35 µs a call here whatever the size up to 64 × 768 (its composite dispatches
-several ops), where an add takes 3: nine calls were 16 % of a decode step of the built-in tiny model at one
-sequence. The kernel computes what F.rms_norm computes for bfloat16 (float32 arithmetic, one rounding), its
+torch's F.rms_norm costs a fixed dispatch of several ops a call whatever the size, which at small batches is a
+large share of a decode step (benchmarks/results/cpu-efficiency-log-2026-12.md). The kernel computes what F.rms_norm computes for bfloat16 (float32 arithmetic, one rounding), its
 sum of squares in its own order: the outputs may differ from torch's in the last bit, now and then, and a row's
 do not depend on the batch.
 """

@@ -1,9 +1,8 @@
 """Rotary embedding of bfloat16 query and key heads on the CPU through kernels/cpu_rotary.c.
 
-torch's three ops (a product, a roll and an addcmul, over a strided view of the fused q|k|v projection) took
-~3 ms a layer for 2,048 tokens here: 7 % of a prefill step of the ~100M Llama. The kernel computes the same
-products, sum and roundings in one pass (1,697 against 606 µs for 2,048 tokens of 16 heads of 64): the same
-bits as torch. Only where the kernel was built with AVX-512, and head sizes whose half is a multiple of 16
+torch's three ops (a product, a roll and an addcmul, over a strided view of the fused q|k|v projection) each
+walk the activations again; the kernel computes the same products, sum and roundings in one pass, the same bits
+as torch, in a fraction of the time (benchmarks/results/cpu-efficiency-log-2026-12.md). Only where the kernel was built with AVX-512, and head sizes whose half is a multiple of 16
 (64, 128, ...); torch's path otherwise.
 """
 from __future__ import annotations

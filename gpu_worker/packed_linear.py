@@ -5,17 +5,16 @@ a row's outputs then the same bits whatever the batch.
 - "amx": cpu_linear.c with AMX tiles (Sapphire Rapids and later). The same products and sums as oneDNN's AMX
   matmul at one row, but in one order at any batch; oneDNN changes its order with the number of rows, so a
   sequence's bfloat16 tokens changed with the sequences beside it and when a restarted worker recomputed its
-  prefix. Up to 16 rows it also takes 0.5-0.8× oneDNN's time (oneDNN spends ~40 µs a call before it
-  multiplies), 0.6-1.3× at 64, 0.9-2.3× at 256 and 1.8-2× at 2,048 (prefill steps); RESULTS.md.
+  prefix. It is faster than oneDNN at decode's few rows (oneDNN pays a fixed cost a call before it multiplies)
+  and slower at a prefill's many: figures in benchmarks/RESULTS.md ("CPU efficiency against vLLM") and its log.
 - "avx512bf16": cpu_linear.c with AVX-512 BF16's dot products (vdpbf16ps; Zen 4 and later, without AMX), the
-  instruction oneDNN uses there, in one order at any batch: 0.6-1.0× oneDNN's time at 1-64 rows, 1.0-1.1× at
-  256-2,048 (RESULTS.md).
+  instruction oneDNN uses there, in one order at any batch: as fast as oneDNN or faster (RESULTS.md).
 - "onednn": torch's oneDNN matmul, on CPUs with native bfloat16 and neither of the above, or without a C
   compiler. Packed once (`torch.ops.mkldnn._reorder_linear_weight`, what Inductor's CPU freezing does): unpacked,
   oneDNN reorders the weight on every call, doubling a decode step's memory traffic.
 - "fma": cpu_linear.c in float32 fused multiply-adds, widening bfloat16 weights in registers, on CPUs without
-  native bfloat16 (AVX2 alone), where torch's bfloat16 matmul is a slow fallback (64 tokens through 768 → 3072:
-  32 ms against 6.7 ms in float32). Faster than MKL on a float32 copy at every size measured, at half the bytes.
+  native bfloat16 (AVX2 alone), where torch's bfloat16 matmul is a slow fallback, several times float32's time.
+  Faster than MKL on a float32 copy at every size measured, at half the bytes (RESULTS.md).
 - "chunks": no compiler and no native bfloat16: the weights widened `CHUNK_ROWS` rows at a time for MKL (the
   worker keeps freed memory in its heap, so the chunks cost no page faults).
 

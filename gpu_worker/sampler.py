@@ -43,8 +43,8 @@ def seed_for(seed: int, sample_index: int, output_index: int) -> int:
 
 def argmax(scores: torch.Tensor) -> torch.Tensor:
     """Each row's first maximum (a NaN's where there is one), as `max(dim=-1)`'s indices. On the CPU,
-    kernels/cpu_argmax.c reads float32 or bfloat16 rows in place (64 rows of 32,000 bfloat16: ~0.1 ms, where
-    torch's `max` took ~1 ms and widening them to float32 for it ~0.5 ms more); `argmax(dim=-1)` took 2.6 ms."""
+    kernels/cpu_argmax.c reads float32 or bfloat16 rows in place, where torch's `max` (and widening bfloat16 to
+    float32 for it) took several times as long (benchmarks/results/cpu-efficiency-log-2026-12.md)."""
     kernel = native.load() if scores.device.type == "cpu" and scores.dtype in native.DTYPE_CODES else None
     if kernel is None or scores.dim() != 2 or scores.stride(-1) != 1:
         return scores.max(dim=-1).indices
@@ -172,7 +172,7 @@ class Sampler:
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
         if edits:
-            logits = logits.clone()  # edited in place below; a copy costs ~1 ms at 64 rows of 32k, so only then
+            logits = logits.clone()  # edited in place below; a copy of a batch's logits is not free, so only then
             constrained = [row for row, s in enumerate(seqs) if s.grammar is not None]
             if constrained:
                 mask_disallowed(logits, constrained, [seqs[row].grammar for row in constrained])

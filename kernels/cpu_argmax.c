@@ -1,6 +1,6 @@
-/* Each row's first maximum, for greedy sampling on the CPU, reading the logits in place in their dtype: torch's
-   `max(dim=-1)` took ~1 ms for 64 rows of 32,000 float32 here, and widening bfloat16 logits to float32 for it
-   ~0.5 ms more. As torch's: a NaN is the maximum (the first NaN's index), and ties go to the first index.
+/* Each row's first maximum, for greedy sampling on the CPU, reading the logits in place in their dtype, where
+   torch's `max(dim=-1)` (after widening bfloat16 logits to float32) took several times as long
+   (benchmarks/results/cpu-efficiency-log-2026-12.md). As torch's: a NaN is the maximum (the first NaN's index), and ties go to the first index.
    Built and loaded by kernels/native.py; gpu_worker/sampler.py calls it. */
 #include <math.h>
 #include <stdint.h>

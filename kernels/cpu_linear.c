@@ -449,7 +449,7 @@ INLINE void amx_slice(const uint16_t *a, int64_t kp, const uint16_t *b, const ui
 /* Panels [p0, p1) (`part` holds a partial sum per panel) against every row block: row groups of 4 blocks in
    turn, each in slices of the input columns, the slice against every panel of the block. So the panels stream
    from L2 and the rows' slice from L1, where a row group against one panel over all columns read its rows from
-   L2 (1.4× the time at 2,048 rows). */
+   L2 (slower at a prefill's many rows). */
 INLINE void amx_block(const uint16_t *xs, int64_t kp, int64_t blocks, const uint16_t *panels, int64_t p0,
                       int64_t p1, amx_part *part, const bf16_out *o) {
     const int64_t chunks = kp / TILE_K, step = TILE_K * 16;

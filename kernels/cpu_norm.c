@@ -1,6 +1,6 @@
 /* RMSNorm of bfloat16 rows on the CPU: out = x · rsqrt(mean(x²) + eps) · w, in float32 and rounded to bfloat16
-   once, as torch's fused F.rms_norm does for bfloat16. One call for what torch does in ~30 µs of dispatch per
-   call here (a decode step of the built-in tiny model makes nine: 16 % of its time). Each row alone, its sum in
+   once, as torch's fused F.rms_norm does for bfloat16. One call where torch dispatches several ops, a fixed cost
+   that at small batches was a large share of a decode step. Each row alone, its sum in
    one order: a row's output does not depend on the batch. Built and loaded by kernels/native.py;
    gpu_worker/native_norm.py calls it.
 

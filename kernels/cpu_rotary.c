@@ -2,7 +2,7 @@
    apply_rotary computes it with torch for bfloat16: out = addcmul(x * cos, roll(x, half), sin), that is
    round(round(x · cos) + roll(x) · sin) with the products and the sum in float32 (a multiply, then an add: no
    fused multiply-add, as torch's vectorized addcmul). So the same bits as torch, in one pass over the heads
-   where torch's three ops over a strided view took ~3 ms a layer for 2,048 tokens here. Built and loaded by
+   where torch takes three ops over a strided view. Built and loaded by
    kernels/native.py; gpu_worker/native_rotary.py calls it.
 
    Layouts: x [tokens, heads, dim] bfloat16 with a token stride, heads and dim contiguous; cos and sin

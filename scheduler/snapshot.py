@@ -5,7 +5,7 @@ The scheduler service tells the monitor of each plan it sends (`planned`: O(1) p
 sequences) and calls `tick` on its housekeeping tick, which closes a history sample every HISTORY_INTERVAL_S and,
 while a dashboard watches, builds a snapshot every SNAPSHOT_INTERVAL_S, or less often for caches of over
 MAX_BLOCKS_PER_S / 2 blocks in all: building reads the id of every block a table holds and of every hashed
-block (about 0.1 us each), so the rate bound keeps it to a few percent of the scheduler's time. `states` and
+block, so the rate bound keeps it to a few percent of the scheduler's time (RESULTS.md: Scheduler overhead). `states` and
 `ref_counts` take a byte per block, and the list of which requests hold which blocks stops at
 MAX_HOLDER_ENTRIES, so a 100k-block cache's snapshot stays under a megabyte.
 """
