@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
+import re
 import statistics
 import sys
 import tempfile
@@ -33,12 +35,12 @@ import aiohttp
 
 from benchmarks.proc_cpu import cpu_seconds
 from benchmarks.redis_servers import SentinelTopology
-from pagedserve.bench import Endpoint, RequestOutput, send_completion
 from benchmarks.up_process import UpProcess
-from pagedserve.workloads import SampleRequest, WorkloadSpec, build_requests
+from pagedserve.bench import Endpoint, RunConfig, run_point, send_completion
 from pagedserve.local_redis import REDIS
 from pagedserve.ports import free_port
 from pagedserve.tiny_model import write_tiny_model
+from pagedserve.workloads import SampleRequest, WorkloadSpec, build_requests
 from shared.model_dir import default_model_dir
 
 STACKS = ("single", "sentinel-0", "sentinel-1")
@@ -69,24 +71,13 @@ class FailoverPoint:
     streams: int
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-
-
-async def closed_loop(endpoint: Endpoint, requests: list[SampleRequest], concurrency: int) -> tuple[list[RequestOutput],
-                                                                                                     float]:
-    """Send `requests`, `concurrency` at a time; the outputs and the seconds it took."""
-    pending = iter(requests)
-    outputs: list[RequestOutput] = []
-
-    async def lane(session: aiohttp.ClientSession) -> None:
-        for req in pending:
-            outputs.append(await send_completion(session, endpoint, req))
-    start = time.perf_counter()
+async def closed_loop(endpoint: Endpoint, requests: list[SampleRequest], concurrency: int) -> dict:
+    """Send `requests`, `concurrency` at a time: the benchmark client's point (pagedserve/bench.py), its metrics
+    sampling off."""
+    config = RunConfig(burstiness=1.0, max_concurrency=concurrency, seed=0, metrics_interval=0.0,
+                       metrics_pattern=re.compile(""), disable_tqdm=True)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-        await asyncio.gather(*(lane(session) for _ in range(concurrency)))
-    return outputs, time.perf_counter() - start
+        return await run_point(session, endpoint, requests, math.inf, config)
 
 
 def start_stack(stack: str, topology: SentinelTopology | None, model: Path, log: Path) -> UpProcess:
@@ -107,14 +98,12 @@ async def cost_phase(stack: str, rnd: int, up: UpProcess, redis_pid: int, reques
     await asyncio.sleep(WARM_S)
     gateway = up.pids()["gateway"]
     cpu_before = cpu_seconds(gateway), cpu_seconds(redis_pid)
-    outputs, took = await closed_loop(endpoint(up), requests, concurrency)
+    point = await closed_loop(endpoint(up), requests, concurrency)
     gateway_cpu, redis_cpu = (cpu_seconds(p) - b for p, b in zip((gateway, redis_pid), cpu_before))
-    ok = [o for o in outputs if o.success]
-    tokens = sum(o.output_tokens for o in ok)
-    itl = [gap for o in ok for gap in o.itl]
-    return CostPoint(stack, rnd, len(outputs), len(outputs) - len(ok),
-                     1000 * statistics.median(o.ttft for o in ok), 1000 * percentile(itl, 0.5),
-                     1000 * percentile(itl, 0.99), tokens / took, 1e6 * gateway_cpu / tokens, 1e6 * redis_cpu / tokens)
+    tokens = point["total_output_tokens"]
+    return CostPoint(stack, rnd, point["num_prompts"], point["failed"], point["ttft_ms"]["p50"],
+                     point["itl_ms"]["p50"], point["itl_ms"]["p99"], point["output_throughput"],
+                     1e6 * gateway_cpu / tokens, 1e6 * redis_cpu / tokens)
 
 
 async def failover_phase(up: UpProcess, topology: SentinelTopology, requests: list[SampleRequest],

@@ -32,10 +32,10 @@ from pathlib import Path
 
 import redis
 
+from benchmarks.bus_client import BusClient
 from benchmarks.proc_cpu import cpu_seconds
 from benchmarks.up_process import UpProcess
 from gpu_worker.cost_model import get_profile
-from benchmarks.bus_client import BusClient
 from pagedserve.local_redis import REDIS
 from pagedserve.ports import free_port
 from pagedserve.tiny_model import write_tiny_model
@@ -92,17 +92,12 @@ def measure(workers: int, args: argparse.Namespace, model: Path, log: Path) -> M
         # evenly; the extras wait, and every worker keeps 256 running through the window.
         for _ in range(workers * SEQS * 9 // 8):
             client.submit([rng.randrange(5, 500) for _ in range(args.input_len)], params)
-        deadline = time.monotonic() + 120
-        while True:  # every worker running its 256, past their prefills
-            stats = client.stats()
-            if stats is not None and len(stats.workers) == workers and all(w.running == SEQS for w in stats.workers):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the workers did not all run {SEQS} sequences: {stats}")
-            time.sleep(0.1)
+        client.wait_for(lambda: all(w.running == SEQS for w in client.stats().workers),
+                        f"every worker to run {SEQS} sequences", timeout=120)
         time.sleep(args.settle)
-        pids = {name: pid for name, pid in up.pids().items() if name == "scheduler" or name.startswith("worker")}
-        pids["redis"] = up.pids()[REDIS]
+        children = up.pids()
+        pids = {name: pid for name, pid in children.items() if name == "scheduler" or name.startswith("worker")}
+        pids["redis"] = children[REDIS]
         before = snapshot(client, server, pids)
         time.sleep(args.window)
         after = snapshot(client, server, pids)
@@ -138,9 +133,9 @@ def computed(measured: list[Measured], counts: list[int]) -> list[dict]:
     redis_tokens_s = 1e6 / base.redis_us_per_token
     rows = []
     for n in counts:
-        rows.append({"workers": n, "busy": min(1.0, step_ms / (n * sched_ms)),
-                     "scheduler_cores": n * sched_ms / step_ms,
-                     "tokens_per_s": n * SEQS / (step_ms / 1e3) * min(1.0, step_ms / (n * sched_ms)),
+        busy = min(1.0, step_ms / (n * sched_ms))
+        rows.append({"workers": n, "busy": busy, "scheduler_cores": n * sched_ms / step_ms,
+                     "tokens_per_s": n * SEQS / (step_ms / 1e3) * busy,
                      "redis_cores": n * SEQS / (step_ms / 1e3) * base.redis_us_per_token / 1e6})
     rows.append({"redis_workers_cap": redis_tokens_s / (SEQS / (step_ms / 1e3))})
     return rows

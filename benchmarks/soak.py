@@ -43,8 +43,8 @@ from typing import Any
 import aiohttp
 import redis
 
-from pagedserve import bench as serving
 from benchmarks.up_process import UpProcess
+from pagedserve import bench as serving
 from shared.keys import Keys
 from shared.protocol import ProtocolError, SchedulerStats, decode
 from shared.sampling import SamplingParams
@@ -187,11 +187,7 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, case: Case,
                 out.result = "completed"
                 return out
             chunks = 0
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
+            async for data in serving.sse_data(resp.content):
                 if data == b"[DONE]":
                     out.result = "completed"
                     return out

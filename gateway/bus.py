@@ -143,11 +143,7 @@ class Bus:
         while True:
             moves = failovers_followed_by(pool)
             result = await write()
-            conn = await pool.get_connection()
-            try:
-                await self._replicated(conn, [])
-            finally:
-                await pool.release(conn)
+            await self._replicated_on_pool([])
             if failovers_followed_by(pool) == moves:
                 return result
             log.info("the Redis master moved before its replicas held a write; writing it again")
@@ -171,6 +167,15 @@ class Bus:
         if required:
             gate.waited(acks, required)
         return replies[:len(commands)]
+
+    async def _replicated_on_pool(self, commands: list[tuple]) -> list:
+        """`_replicated` on a connection of the shared pool."""
+        pool = self.client.connection_pool
+        conn = await pool.get_connection()
+        try:
+            return await self._replicated(conn, commands)
+        finally:
+            await pool.release(conn)
 
     def reader_token(self) -> str:
         """A token for one client connection of this gateway, for the reader keys of the requests it streams."""
@@ -254,12 +259,7 @@ class Bus:
     async def read_out(self, rid: str) -> list[TokenOutput | Assignment]:
         """A request's `out:` stream as it is now."""
         key = self.keys.out(rid)
-        pool = self.client.connection_pool
-        conn = await pool.get_connection()
-        try:
-            (reply,) = await self._replicated(conn, [("XRANGE", key, "-", "+")])
-        finally:
-            await pool.release(conn)
+        (reply,) = await self._replicated_on_pool([("XRANGE", key, "-", "+")])
         entries = [decode_payload(key, entry_id, _payload(fields), (TokenOutput, Assignment))
                    for entry_id, fields in reply]
         return [e for e in entries if e is not None]

@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator
 
 import aiohttp
 import numpy as np
@@ -80,11 +80,7 @@ async def send_completion(session: aiohttp.ClientSession, endpoint: Endpoint, re
             if resp.status != 200:
                 out.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
                 return out
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
+            async for data in sse_data(resp.content):
                 if data == b"[DONE]":
                     done = True
                     break
@@ -116,6 +112,14 @@ async def send_completion(session: aiohttp.ClientSession, endpoint: Endpoint, re
     else:
         out.success = True
     return out
+
+
+async def sse_data(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """The `data:` of each server-sent event of a stream, `[DONE]` included."""
+    async for raw in content:
+        line = raw.strip()
+        if line.startswith(b"data:"):
+            yield line[5:].strip()
 
 
 def parse_prometheus(text: str, pattern: re.Pattern[str]) -> dict[str, float]:
