@@ -43,6 +43,13 @@ class SchedulerCollector:
             for w in s.workers:
                 metric.add_metric([w.worker_id], value(w))
             yield metric
+        per_position = CounterMetricFamily("pagedserve_spec_decode_num_accepted_tokens_per_pos", "proposed tokens "
+                                           "accepted, by their place in the draft (0 first)",
+                                           labels=["worker", "position"])
+        for w in s.workers:
+            for position, count in enumerate(w.accepted_at):
+                per_position.add_metric([w.worker_id, str(position)], count)
+        yield per_position
         for name, doc, value in PER_TENANT:
             metric = GaugeMetricFamily(name, doc, labels=["tenant"])
             for t in s.tenants:
@@ -84,6 +91,16 @@ PER_WORKER: list[tuple[str, type, str, Callable[[WorkerStats], float]]] = [
     ("pagedserve_sequence_forks", CounterMetricFamily, "sequences forked from another on shared blocks "
      "(parallel samples, beams)", lambda w: w.forks),
     ("pagedserve_kv_block_copies", CounterMetricFamily, "copy-on-write block copies", lambda w: w.copies),
+    # speculative decoding, as vLLM names it (spec_decode_*); the rate and mean length since start
+    ("pagedserve_spec_decode_num_drafts", CounterMetricFamily, "speculative drafts checked", lambda w: w.drafts),
+    ("pagedserve_spec_decode_num_draft_tokens", CounterMetricFamily, "tokens the drafts proposed",
+     lambda w: w.draft_tokens),
+    ("pagedserve_spec_decode_num_accepted_tokens", CounterMetricFamily, "proposed tokens accepted",
+     lambda w: w.accepted_tokens),
+    ("pagedserve_spec_decode_acceptance_rate", GaugeMetricFamily, "accepted tokens over proposed tokens (0-1)",
+     lambda w: w.accepted_tokens / w.draft_tokens if w.draft_tokens else 0.0),
+    ("pagedserve_spec_decode_mean_acceptance_length", GaugeMetricFamily, "tokens a drafting step gives on average: "
+     "1 + accepted tokens per draft", lambda w: 1.0 + w.accepted_tokens / w.drafts if w.drafts else 0.0),
 ]
 
 

@@ -19,18 +19,20 @@ class StepInputs:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     seq_lens: torch.Tensor  # [num_seqs] int32
     logits_indices: torch.Tensor  # [num_sampled] int64: rows whose hidden states become logits
-    sampled: list[int]  # index in the step's chunk list of each sampled sequence
+    sampled: list[int]  # index in the step's chunk list of each sampled row's sequence (a drafting one's repeated)
 
 
-def prepare_inputs(chunks: list[tuple[SequenceState, int, int]], block_size: int,
-                   device: torch.device) -> StepInputs:
+def prepare_inputs(chunks: list[tuple[SequenceState, int, int]], block_size: int, device: torch.device,
+                   drafts: dict[int, list[int]] | None = None) -> StepInputs:
     """`chunks` = (sequence, num_computed_tokens, num_new_tokens) in plan order.
 
-    Only a chunk that reaches its sequence's last token is sampled, from that token's row.
+    Only a chunk that reaches its sequence's last token is sampled, from that token's row. A sequence with a draft
+    (seq id → proposed tokens) has them after its chunk, and each of its rows is sampled (speculative decoding).
     """
+    drafts = drafts or {}
     num_seqs = len(chunks)
     computed = np.fromiter((c for _, c, _ in chunks), dtype=np.int64, count=num_seqs)
-    new = np.fromiter((n for _, _, n in chunks), dtype=np.int64, count=num_seqs)
+    new = np.fromiter((n + len(drafts.get(seq.seq_id, ())) for seq, _, n in chunks), dtype=np.int64, count=num_seqs)
     query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
     np.cumsum(new, out=query_start_loc[1:])
     seq_of_token = np.repeat(np.arange(num_seqs), new)
@@ -40,11 +42,16 @@ def prepare_inputs(chunks: list[tuple[SequenceState, int, int]], block_size: int
     block_tables = np.zeros((num_seqs, width), dtype=np.int32)
     input_ids: list[int] = []
     sampled: list[int] = []
+    rows: list[int] = []
     for i, (seq, start, count) in enumerate(chunks):
         block_tables[i, :len(seq.block_table)] = seq.block_table
         input_ids.extend(seq.token_ids[start:start + count])
         if start + count == len(seq.token_ids):
-            sampled.append(i)
+            draft = drafts.get(seq.seq_id, ())
+            input_ids.extend(draft)
+            last = int(query_start_loc[i + 1])
+            sampled.extend([i] * (len(draft) + 1))
+            rows.extend(range(last - len(draft) - 1, last))
     slots = block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
 
     def put(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -57,6 +64,6 @@ def prepare_inputs(chunks: list[tuple[SequenceState, int, int]], block_size: int
         block_tables=put(block_tables, torch.int32),
         query_start_loc=put(query_start_loc, torch.int32),
         seq_lens=put(computed + new, torch.int32),
-        logits_indices=put(query_start_loc[1:][sampled] - 1, torch.int64),
+        logits_indices=torch.tensor(rows, dtype=torch.int64, device=device),
         sampled=sampled,
     )

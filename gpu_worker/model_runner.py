@@ -14,6 +14,7 @@ from gpu_worker.loader import load_config, load_model, resolve_dtype
 from gpu_worker.models.layers import ForwardContext, PagedAttention
 from gpu_worker.sampler import SampledToken, Sampler, top_logprobs
 from gpu_worker.sequence import SequenceState
+from gpu_worker.speculation import draft_rows, verified
 from kernels import attention_backend, step_attention
 from shared.model_dir import max_model_len, read_config
 from shared.protocol import PromptLogprob
@@ -105,10 +106,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _forward(self, chunks: list[tuple[SequenceState, int, int]], cache: CacheEngine,
-                 extra_rows: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+                 extra_rows: list[int] = (), drafts: dict[int, list[int]] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """The logits of the rows sampled from, and of `extra_rows` (indices in the step's tokens), in the model's
         dtype (a greedy step need not widen them)."""
-        inputs = prepare_inputs(chunks, self.block_size, self.device)
+        inputs = prepare_inputs(chunks, self.block_size, self.device, drafts)
         ctx = ForwardContext(cache.kv_caches, step_attention(self.backend, inputs.slot_mapping, inputs.block_tables,
                                                              inputs.query_start_loc, inputs.seq_lens))
         hidden = self.model(inputs.input_ids, inputs.positions, ctx)
@@ -119,24 +121,31 @@ class ModelRunner:
         return logits[:len(inputs.logits_indices)], logits[len(inputs.logits_indices):]
 
     @torch.inference_mode()
-    def execute(self, chunks: list[tuple[SequenceState, int, int]],
-                eos_token_ids: list[int]) -> list[tuple[SequenceState, SampledToken]]:
+    def execute(self, chunks: list[tuple[SequenceState, int, int]], eos_token_ids: list[int],
+                drafts: dict[int, list[int]] | None = None) -> list[tuple[SequenceState, SampledToken]]:
         """One forward pass over `chunks` (sequence, num_computed, num_new); sample each chunk that ends its
         sequence, and append the prompt logprobs of the prompt positions a chunk covers to its sequence's (those
-        that ask for them). Returns (sequence, token) in chunk order."""
+        that ask for them). A sequence with a draft (seq id → proposed tokens, after its last token) gets its
+        verified tokens (gpu_worker/speculation.py). Returns (sequence, token) in chunk order, a sequence's tokens
+        in order."""
         if not chunks:
             return []
-        wanted, rows = _prompt_positions(chunks)
-        logits, prompt_logits = self._forward(chunks, self.cache, rows)
+        drafts = drafts or {}
+        wanted, rows = _prompt_positions(chunks, drafts)
+        logits, prompt_logits = self._forward(chunks, self.cache, rows, drafts)
         if wanted:
             _append_prompt_logprobs(wanted, prompt_logits)
         sampled = [seq for seq, computed, new in chunks if computed + new == len(seq.token_ids)]
         if not sampled:
             return []
-        return list(zip(sampled, self.sampler(logits, sampled, eos_token_ids)))
+        if not drafts:
+            return list(zip(sampled, self.sampler(logits, sampled, eos_token_ids)))
+        rows_of = [row for seq in sampled for row in draft_rows(seq, drafts.get(seq.seq_id, []))]
+        tokens = self.sampler(logits, rows_of, eos_token_ids)
+        return verified(sampled, drafts, tokens)
 
 
-def _prompt_positions(chunks: list[tuple[SequenceState, int, int]]
+def _prompt_positions(chunks: list[tuple[SequenceState, int, int]], drafts: dict[int, list[int]]
                       ) -> tuple[list[tuple[SequenceState, int]], list[int]]:
     """(sequence, position) of each prompt position whose next token's logprob is asked for, and its row among the
     step's tokens: the logits at position p give the logprob of prompt token p + 1."""
@@ -146,7 +155,7 @@ def _prompt_positions(chunks: list[tuple[SequenceState, int, int]]
             for p in range(start, min(start + count, seq.num_prompt_tokens - 1)):
                 wanted.append((seq, p))
                 rows.append(offset + p - start)
-        offset += count
+        offset += count + len(drafts.get(seq.seq_id, ()))
     return wanted, rows
 
 

@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gpu_worker.structured import SequenceGrammar
 from shared.protocol import NewSequence, PromptLogprob
 from shared.sampling import SamplingParams
+
+if TYPE_CHECKING:  # the proposers' indexes know sequences: a type only, never an import cycle at run time
+    from gpu_worker.proposers import ContextIndex, NgramIndex
 
 
 @dataclass(slots=True)
@@ -24,6 +28,11 @@ class SequenceState:
     num_cached_tokens: int | None = None
     prompt_logprobs: list[PromptLogprob] | None = None
     grammar: SequenceGrammar | None = None  # a constrained sequence's place in its grammar
+    # Speculative decoding (gpu_worker/proposers.py): its proposer's index of its tokens, and the draft proposed
+    # for its next step, made when its tokens numbered `draft_at`.
+    draft_index: NgramIndex | ContextIndex | None = None
+    draft: list[int] = field(default_factory=list)
+    draft_at: int = -1
 
     @classmethod
     def from_message(cls, msg: NewSequence, prompt: list[int], params: SamplingParams) -> "SequenceState":

@@ -23,6 +23,7 @@ from gpu_worker.cache_engine import kv_cache_blocks
 from gpu_worker.cost_model import Profile, get_profile
 from gpu_worker.sampler import SampledToken
 from gpu_worker.sequence import SequenceState
+from gpu_worker.speculation import verified
 from gpu_worker.worker import Worker
 from shared import model_dir as model_dirs
 from shared.protocol import WorkerRegistration
@@ -82,24 +83,29 @@ class SimulatedRunner:
         # hashing the whole sequence again. Kept for the sequences of the last step only.
         self._hashes: dict[int, tuple[str, int, int]] = {}
 
-    def execute(self, chunks: list[tuple[SequenceState, int, int]],
-                eos_token_ids: list[int]) -> list[tuple[SequenceState, SampledToken]]:
+    def execute(self, chunks: list[tuple[SequenceState, int, int]], eos_token_ids: list[int],
+                drafts: dict[int, list[int]]) -> list[tuple[SequenceState, SampledToken]]:
         started = self._clock()
         sampled = [seq for seq, computed, new in chunks if computed + new == len(seq.token_ids)]
-        self.last_step_s = self.profile.step_time([(computed, new) for _, computed, new in chunks], len(sampled),
-                                                  self.cache.swapped, self.cache.copied, self.block_size)
+        self.last_step_s = self.profile.step_time(
+            [(computed, new + len(drafts.get(seq.seq_id, ()))) for seq, computed, new in chunks],
+            len(sampled) + sum(map(len, drafts.values())), self.cache.swapped, self.cache.copied, self.block_size)
         self.cache.swapped = self.cache.copied = 0
         eos = set(eos_token_ids)
         hashes: dict[int, tuple[str, int, int]] = {}
-        out = []
+        rows = []
         for seq in sampled:
             h = self._sequence_hash(seq)
             hashes[seq.seq_id] = (seq.rid, len(seq.token_ids), h)
-            out.append((seq, self._token(h ^ sample_salt(seq.params, seq.sample_index), seq.params, eos)))
+            salt = sample_salt(seq.params, seq.sample_index)
+            rows.append(self._token(h ^ salt, seq.params, eos))
+            for token in drafts.get(seq.seq_id, ()):
+                h = extend_hash(h, [token])
+                rows.append(self._token(h ^ salt, seq.params, eos))
         self._hashes = hashes
         if self.pace:
             self._wait_until(started + self.last_step_s)
-        return out
+        return verified(sampled, drafts, rows)
 
     def _clock(self) -> float:
         """What a step's time is counted in: the thread's CPU time on a CPU device, wall time on a GPU."""
@@ -147,7 +153,8 @@ def simulated_worker(profile: Profile, settings: Settings, worker_id: str, model
     return Worker(runner, WorkerRegistration(
         worker_id=worker_id, model_id=model_id, num_blocks=num_blocks,
         num_swap_blocks=settings.swap_space_bytes // block_bytes, block_size=settings.block_size,
-        max_model_len=max_model_len, eos_token_ids=list(eos_token_ids), vocab_size=vocab_size))
+        max_model_len=max_model_len, eos_token_ids=list(eos_token_ids), vocab_size=vocab_size),
+        speculation=settings.speculation)
 
 
 def load(settings: Settings, worker_id: str) -> Worker:

@@ -16,13 +16,17 @@ import dataclasses
 import logging
 from typing import Protocol
 
+from gpu_worker.proposers import proposer_for
 from gpu_worker.sampler import SampledToken
 from gpu_worker.sequence import SequenceState
 from gpu_worker.structured import Grammars, SequenceGrammar
 from shared import model_dir as model_dirs
-from shared.protocol import BeamCandidates, ScheduledSequence, StepPlan, StepResult, TokenOutput, WorkerRegistration
+from shared.protocol import (
+    BeamCandidates, DraftReport, ScheduledSequence, StepPlan, StepResult, TokenOutput, WorkerRegistration,
+)
 from shared.sampling import SamplingParams, finish_reason
 from shared.settings import Settings
+from shared.speculative_config import SpeculativeConfig
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +45,18 @@ class Runner(Protocol):
     """The device side the worker core drives: the model runner, or any stand-in with the same semantics."""
     cache: BlockOps
 
-    def execute(self, chunks: list[tuple[SequenceState, int, int]],
-                eos_token_ids: list[int]) -> list[tuple[SequenceState, SampledToken]]: ...
+    def execute(self, chunks: list[tuple[SequenceState, int, int]], eos_token_ids: list[int],
+                drafts: dict[int, list[int]]) -> list[tuple[SequenceState, SampledToken]]:
+        """Sample each chunk that ends its sequence; a sequence with a draft (seq id → proposed tokens) gets the
+        draft's accepted tokens and the one after them (gpu_worker/speculation.py), in order."""
 
 
 class Worker:
-    def __init__(self, runner: Runner, registration: WorkerRegistration, grammars: Grammars | None = None) -> None:
+    def __init__(self, runner: Runner, registration: WorkerRegistration, grammars: Grammars | None = None,
+                 speculation: SpeculativeConfig | None = None) -> None:
         self.runner = runner
+        self.proposer = proposer_for(speculation)
+        self.max_draft = speculation.num_speculative_tokens if speculation is not None else 0
         self._registration = registration
         self.grammars = grammars  # constrained outputs; None where the device cannot run them (simulated)
         self.eos_token_ids = list(registration.eos_token_ids)
@@ -79,7 +88,7 @@ class Worker:
             max_model_len=runner.max_model_len,
             eos_token_ids=eos,
             vocab_size=vocab,
-        ), Grammars(path, vocab, eos))
+        ), Grammars(path, vocab, eos), settings.speculation)
 
     @property
     def registration(self) -> WorkerRegistration:
@@ -114,6 +123,7 @@ class Worker:
                 self.stopped.discard(msg.seq_id)  # an id named by a refused plan that never registered it
         self.stopped.update(failed)
         chunks = []
+        drafts: dict[int, list[int]] = {}
         for item in plan.scheduled:
             if item.seq_id in self.stopped:
                 continue
@@ -126,11 +136,16 @@ class Worker:
             else:
                 seq.block_table.extend(item.new_block_ids)
             chunks.append((seq, item.num_computed_tokens, item.num_new_tokens))
+            if item.num_draft_tokens and self._drafts_for(seq) and item.num_computed_tokens + item.num_new_tokens == \
+                    len(seq.token_ids):
+                draft = self._draft(seq)[:item.num_draft_tokens]
+                if draft:
+                    drafts[seq.seq_id] = draft
         if self.grammars is not None:
             self.grammars.prepare([(seq.grammar, seq.output_token_ids) for seq, computed, new in chunks
                                    if seq.grammar is not None and computed + new == len(seq.token_ids)])
         try:
-            sampled_tokens = self.runner.execute(chunks, self.eos_token_ids)
+            sampled_tokens = self.runner.execute(chunks, self.eos_token_ids, drafts)
         except Exception:
             self.stopped.update(self._step_seq_ids(plan))
             raise
@@ -142,24 +157,55 @@ class Worker:
         self.stopped.update(broken)
         outputs = self._refusals(plan, failed)
         beams = []
+        emitted: dict[int, SequenceState] = {}
+        counts: dict[int, int] = {}
         for seq, sampled in sampled_tokens:
-            if seq.seq_id in broken:
+            if seq.seq_id in self.stopped:  # failed, or ended by an earlier token of its draft
                 continue
             if seq.params.beam_width:  # the scheduler ranks the beams' candidates and chooses
                 beams.append(BeamCandidates(seq.seq_id, sampled.top_logprobs))
                 continue
             output_index = seq.num_output_tokens
             seq.token_ids.append(sampled.token_id)
+            emitted[seq.seq_id] = seq
+            counts[seq.seq_id] = counts.get(seq.seq_id, 0) + 1
             reason = finish_reason(seq.params, seq.output_token_ids, len(seq.token_ids), reg.max_model_len,
                                    self.eos_token_ids)
             if reason is not None:
                 self.stopped.add(seq.seq_id)
+                if self.proposer is not None:
+                    self.proposer.finished(seq)
             first = seq.reports_prompt and output_index == 0
             outputs.append(TokenOutput(seq.rid, seq.sample_index, output_index, sampled.token_id, sampled.logprob,
                                        sampled.top_logprobs, reason, worker_id=reg.worker_id, epoch=plan.epoch,
                                        num_cached_tokens=seq.num_cached_tokens if first else None,
                                        prompt_logprobs=seq.prompt_logprobs if first else None))
-        return StepResult(reg.worker_id, plan.epoch, plan.step_id, outputs, beams=beams)
+        reports = self._draft_reports(emitted, drafts, counts) if self.proposer is not None else []
+        return StepResult(reg.worker_id, plan.epoch, plan.step_id, outputs, beams=beams, drafts=reports)
+
+    def _drafts_for(self, seq: SequenceState) -> bool:
+        """Whether the sequence may speculate: a proposer, and neither a beam nor constrained (its proposals would
+        have to be checked against its grammar too: not done, so it decodes one token a step)."""
+        return self.proposer is not None and not seq.params.beam_width and seq.grammar is None
+
+    def _draft(self, seq: SequenceState) -> list[int]:
+        """The proposer's draft after the sequence's tokens (made once per length)."""
+        if seq.draft_at != len(seq.token_ids):
+            seq.draft = self.proposer.propose(seq, self.max_draft)
+            seq.draft_at = len(seq.token_ids)
+        return seq.draft
+
+    def _draft_reports(self, emitted: dict[int, SequenceState], drafts: dict[int, list[int]],
+                       counts: dict[int, int]) -> list[DraftReport]:
+        """What each drafting sequence's draft came to, and the draft each going one holds for its next step."""
+        reports = []
+        for seq_id, seq in emitted.items():
+            going = seq_id not in self.stopped and self._drafts_for(seq)
+            ready = len(self._draft(seq)) if going else 0
+            proposed = len(drafts.get(seq_id, ()))
+            if ready or proposed:
+                reports.append(DraftReport(seq_id, proposed, min(counts[seq_id] - 1, proposed), ready))
+        return reports
 
     def _run_params(self, params: SamplingParams) -> SamplingParams:
         """A beam's next-token candidates are the most likely tokens of the model's distribution (as in
@@ -269,8 +315,11 @@ class Worker:
         bad = [b for b in added if not 1 <= b < reg.num_blocks]
         if bad:
             return f"sequence {sid} got block ids outside 1..{reg.num_blocks - 1}: {bad[:4]}"
-        if table_len * reg.block_size < end:
-            return f"sequence {sid}'s block table of {table_len} blocks does not cover {end} tokens"
+        if table_len * reg.block_size < end + item.num_draft_tokens:
+            return (f"sequence {sid}'s block table of {table_len} blocks does not cover {end} tokens and "
+                    f"{item.num_draft_tokens} draft tokens")
+        if item.num_draft_tokens < 0 or end + item.num_draft_tokens > reg.max_model_len:
+            return f"sequence {sid} may not check {item.num_draft_tokens} draft tokens after {end}"
         return None
 
 

@@ -27,6 +27,7 @@ class Chunk(NamedTuple):
     seq: SeqState
     num_new: int
     emits_token: bool  # they reach the sequence's end: the worker samples a token
+    num_draft: int = 0  # tokens its worker may propose after them, checked in the same step (speculative decoding)
 
 
 class Start(NamedTuple):

@@ -255,6 +255,17 @@ class KVCacheManager:
         if swapped is not None:
             self.swap_pool.free(swapped.table[::-1])
 
+    def truncate(self, seq_id: int, num_tokens: int) -> bool:
+        """Free the sequence's blocks past those `num_tokens` tokens take (a draft's rejected tokens had them);
+        whether any were."""
+        table = self.seqs[seq_id].table
+        keep = self.num_blocks_for(num_tokens)
+        if len(table) <= keep:
+            return False
+        self.pool.free(table[keep:][::-1])
+        del table[keep:]
+        return True
+
     def fork(self, parent_id: int, child_id: int, num_tokens: int) -> None:
         """The child shares the parent's blocks that hold its first `num_tokens` tokens."""
         parent = self.seqs[parent_id]

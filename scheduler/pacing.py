@@ -5,6 +5,8 @@ A lookahead plans as if each sequence sampled in the step in flight had its comi
 each, whose id the worker fills in itself (it runs plans in order, and results come back in order, so blocks freed
 meanwhile are reused only by later plans). A lookahead never preempts, since a sequence in flight cannot give back
 its token: short of blocks, it ends there, and the worker's pipeline drains before the full step that makes room.
+Nor is a plan made behind one in which a sequence checks a draft (speculative decoding): how many tokens that
+sequence ends the step with is known only from its result.
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from scheduler.request import RequestState, SeqState
 class Synchronous:
     """One plan in flight: the next is planned once its result is in."""
 
-    def may_plan(self, num_in_flight: int) -> bool:
+    def may_plan(self, num_in_flight: int, drafting: bool) -> bool:
+        """Whether a plan may be made now (`drafting`: the last plan in flight lets a sequence check a draft)."""
         return num_in_flight == 0
 
     def target(self, rs: RequestState, seq: SeqState, known: int) -> int:
@@ -39,11 +42,11 @@ class Lookahead:
         self.max_model_len = max_model_len
         self.draining = False  # short of blocks while a plan was in flight: the next plan waits for the pipeline
 
-    def may_plan(self, num_in_flight: int) -> bool:
+    def may_plan(self, num_in_flight: int, drafting: bool) -> bool:
         if not num_in_flight:
             self.draining = False
             return True
-        return num_in_flight == 1 and not self.draining
+        return num_in_flight == 1 and not self.draining and not drafting
 
     def target(self, rs: RequestState, seq: SeqState, known: int) -> int:
         if seq.num_placeholders and self._token_in_flight_ends(rs, seq):

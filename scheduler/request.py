@@ -58,6 +58,12 @@ class SeqState:
     fork_of: SeqState | None = None  # forked from this one: while it lives on the worker, the prompt comes from there
     resend_table: bool = False  # the worker's block table must be replaced (after swap-in)
     appended: list[int] = field(default_factory=list)  # tokens the scheduler chose, not yet sent (beams)
+    # speculative decoding (scheduler/speculation.py): the draft its worker holds for its next step, the most
+    # draft tokens it may check now (0: the config's), its drafts in a row with none accepted, steps it sits out
+    draft_ready: int = 0
+    draft_cap: int = 0
+    draft_misses: int = 0
+    draft_pause: int = 0
 
 
 @dataclass(slots=True, eq=False)

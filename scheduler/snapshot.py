@@ -150,7 +150,7 @@ class CacheMonitor:
             len(ws.running), len(ws.waiting), len(ws.preempted),
             sum(rs.status is Status.SWAPPED for rs in ws.preempted), stats.running, stats.prefix_queries,
             stats.prefix_hits, view.num_swap_blocks, view.free_swap_blocks, rids, counts, held_ids, complete,
-            _copy(w.history))
+            _copy(w.history), stats.drafts, stats.draft_tokens, stats.accepted_tokens)
 
 
 def _ids(block_ids: list[int]) -> np.ndarray:

@@ -39,6 +39,7 @@ from scheduler.pacing import Lookahead, Synchronous
 from scheduler.policy import policy_for
 from scheduler.request import FinishedRequest, RequestState, SeqState, Status
 from scheduler.reservation import OnDemand, Reservation
+from scheduler.speculation import Drafting
 from shared.protocol import (
     FAILED, NewSequence, ScheduledSequence, StepPlan, StepResult, WorkerRegistration, WorkerStats,
 )
@@ -63,12 +64,14 @@ class Scheduled:
     start: int
     num_new: int
     emits_token: bool  # the chunk reaches the sequence's end: the worker samples a token
+    num_draft: int = 0  # draft tokens the worker may check after it (speculative decoding)
 
 
 @dataclass(slots=True)
 class InFlight:
     step_id: int
     chunks: list[Scheduled]
+    drafting: bool = False  # a sequence may check a draft: how many tokens it ends with is known only from its result
 
 
 @dataclass(slots=True)
@@ -113,6 +116,7 @@ class WorkerScheduler:
         self.reservation = reservation or OnDemand()
         self.ledger = ledger
         self.policy = policy_for(settings.scheduling_policy, ledger)
+        self.drafting = Drafting(settings.speculation, reg.max_model_len)
         self.settings = settings
         self.epoch = epoch
         self.ids = ids
@@ -142,9 +146,11 @@ class WorkerScheduler:
 
     def stats(self) -> WorkerStats:
         kv, pool = self.kv, self.kv.pool
+        tally = self.drafting.tally
         return WorkerStats(self.worker_id, pool.num_usable, pool.num_free, self.num_running_seqs, pool.prefix_queries,
                            pool.prefix_hits, pool.num_shared, self.num_steps, kv.num_forks, kv.num_copies,
-                           self.plan_wait)
+                           self.plan_wait, tally.drafts, tally.draft_tokens, tally.accepted_tokens,
+                           list(tally.accepted_at))
 
     def snapshot(self) -> WorkerView:
         kv, pool, swap = self.kv, self.kv.pool, self.kv.swap_pool
@@ -162,7 +168,7 @@ class WorkerScheduler:
     # ---- one step -------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
         """The worker's next step, or None: nothing to do, or no plan may be sent now."""
-        if not self.pacing.may_plan(len(self.in_flight)):
+        if not self.pacing.may_plan(len(self.in_flight), bool(self.in_flight) and self.in_flight[-1].drafting):
             return None
         step = StepBuilder(StepPlan(self.worker_id, self.epoch, next(self.ids.steps)),
                            self.settings.max_num_batched_tokens, self.settings.max_num_seqs)
@@ -180,7 +186,7 @@ class WorkerScheduler:
         if not (step.chunks or plan.swap_out or plan.swap_in or plan.copies):
             return None
         plan.freed, self.to_free = self.to_free, []
-        self.in_flight.append(InFlight(plan.step_id, step.chunks))
+        self.in_flight.append(InFlight(plan.step_id, step.chunks, any(c.num_draft for c in step.chunks)))
         self.num_steps += 1
         return plan
 
@@ -194,6 +200,9 @@ class WorkerScheduler:
             if slots is not None:
                 self._add(rs, chunks, slots, step)
                 return
+            if any(c.num_draft for c in chunks):  # a draft is worth no preemption: its room is asked for first
+                chunks = [c._replace(num_draft=0) for c in chunks]
+                continue
             if not admitting and not self.pacing.may_make_room(len(self.in_flight)):
                 step.blocked = True
                 return
@@ -211,19 +220,30 @@ class WorkerScheduler:
                 return
 
     def _chunks(self, rs: RequestState, step: StepBuilder) -> list[Chunk]:
-        """The request's next chunks, as its group takes them, within what is left of the budget and the cap."""
-        return rs.group.chunks(rs, step.budget, step.seqs_left, self.pacing)
+        """The request's next chunks, as its group takes them, within what is left of the budget and the cap; a
+        decode token may be followed by draft tokens (scheduler/speculation.py)."""
+        chunks = rs.group.chunks(rs, step.budget, step.seqs_left, self.pacing)
+        if not self.drafting.max_draft or not rs.group.samples_tokens:
+            return chunks
+        budget = step.budget - sum(c.num_new for c in chunks)
+        for i, c in enumerate(chunks):
+            if c.emits_token and c.num_new == 1 and budget:
+                k = self.drafting.offer(rs, c.seq, budget)
+                if k:
+                    chunks[i] = c._replace(num_draft=k)
+                    budget -= k
+        return chunks
 
     def _add(self, rs: RequestState, chunks: list[Chunk], slots: Slots, step: StepBuilder) -> None:
         """Put the chunks, on the blocks `slots` granted them, into the plan."""
         plan = step.plan
         plan.copies.extend(slots.copies)
         prompt_len, prefill, computed = len(rs.prompt), 0, 0
-        for seq, num_new, emits in chunks:
+        for seq, num_new, emits, num_draft in chunks:
             start = seq.num_computed
             if start < prompt_len:
                 prefill += min(num_new, prompt_len - start)
-            computed += num_new
+            computed += num_new + num_draft
             if not seq.sent:
                 parent = seq.fork_of  # while it lives on the worker, the prompt comes from there
                 if parent is not None and not (parent.sent and parent in rs.seqs):
@@ -240,12 +260,13 @@ class WorkerScheduler:
                 item = ScheduledSequence(seq.seq_id, start, num_new, slots.new_block_ids[seq.seq_id])
             if seq.appended:
                 item.append_token_ids, seq.appended = seq.appended, []
+            item.num_draft_tokens = num_draft
             seq.resend_table = False
             plan.scheduled.append(item)
             seq.num_computed += num_new
             self.pacing.scheduled(seq, emits)
-            step.chunks.append(Scheduled(rs, seq, start, num_new, emits))
-            step.budget -= num_new
+            step.chunks.append(Scheduled(rs, seq, start, num_new, emits, num_draft))
+            step.budget -= num_new + num_draft
             step.seqs_left -= 1
         self.ledger.charge(rs.req.tenant, prefill, computed - prefill)
 
@@ -426,28 +447,56 @@ class WorkerScheduler:
                 emitting[(c.rs.rid, c.seq.sample_index)] = c
             elif c.rs.group.reports(c.rs, c.seq, c.start + c.num_new):
                 reporting[c.seq.seq_id] = c
+        received: dict[int, int] = {}  # seq id → tokens it emitted in this step
         for out in result.outputs:
             if out.sample_index < 0:  # the worker could not run this request's sequences
                 rs = next((c.rs for c in chunks if c.rs.rid == out.rid), None)
                 if rs is not None and rs.status is Status.RUNNING:
                     self.finish(rs, "error", out.error or "the worker failed the request", FAILED)
                 continue
-            c = emitting.pop((out.rid, out.sample_index), None)
-            if (c is None or c.rs.status is not Status.RUNNING
+            c = emitting.get((out.rid, out.sample_index))
+            if (c is None or c.rs.status is not Status.RUNNING or c.seq not in c.rs.seqs
                     or out.output_index != len(c.rs.outputs[out.sample_index])):
                 continue
-            self.pacing.token_arrived(c.seq)
+            n = received.get(c.seq.seq_id, 0)
+            if n > c.num_draft:  # more tokens than its draft allows: not this step's
+                continue
+            received[c.seq.seq_id] = n + 1
+            if not n:
+                self.pacing.token_arrived(c.seq)
             c.rs.group.token(self, c.rs, c.seq, out.token_id)
+        if self.drafting.max_draft:
+            self._drafts_checked(chunks, result, received)
         for beams in result.beams:
             c = reporting.pop(beams.seq_id, None)
             if c is not None and c.rs.status is Status.RUNNING:
                 c.rs.group.candidates(self, c.rs, c.seq, beams.top)
-        for c in [*emitting.values(), *reporting.values()]:
+        missing = [c for c in emitting.values() if c.seq.seq_id not in received]
+        for c in [*missing, *reporting.values()]:
             # The worker samples every sequence a plan asks it to and skips only those it saw end, as the
             # scheduler does: a token missing here means the two disagree, and sampling again could loop.
             if c.rs.status is Status.RUNNING:
                 self.finish(c.rs, "error", f"worker {self.worker_id} returned no token for sample "
                                            f"{c.seq.sample_index} in step {result.step_id}", FAILED)
+
+    def _drafts_checked(self, chunks: list[Scheduled], result: StepResult, received: dict[int, int]) -> None:
+        """A drafting sequence's accepted tokens have their KV computed: it counts them, commits the blocks they
+        fill and gives back the blocks only its rejected tokens took (its next plan sends the worker its whole
+        table). Each sequence that ran learns the draft its worker holds for its next step."""
+        reports = {r.seq_id: r for r in result.drafts}
+        for c in chunks:
+            seq, rs = c.seq, c.rs
+            if not c.emits_token or rs.status is not Status.RUNNING or seq not in rs.seqs:
+                continue
+            self.drafting.reported(seq, reports.get(seq.seq_id))
+            accepted = received.get(seq.seq_id, 1) - 1
+            if not c.num_draft:
+                continue
+            seq.num_computed += accepted
+            output = rs.outputs[seq.sample_index]
+            self.kv.commit(seq.seq_id, rs.prompt, output, seq.num_computed, rs.root)
+            if self.kv.truncate(seq.seq_id, len(rs.prompt) + len(output)):
+                seq.resend_table = True
 
     # ---- ending ---------------------------------------------------------------------------
     def finish(self, rs: RequestState, reason: str, error: str | None = None, error_kind: str | None = None,
@@ -485,4 +534,4 @@ WorkerSchedulerFactory = Callable[[WorkerRegistration, Settings, int, Ids, Ledge
 
 
 def _writes(chunks: list[Chunk]) -> list[Write]:
-    return [Write(c.seq.seq_id, c.seq.num_computed, c.num_new) for c in chunks]
+    return [Write(c.seq.seq_id, c.seq.num_computed, c.num_new + c.num_draft) for c in chunks]

@@ -18,7 +18,7 @@ import msgpack
 from shared.sampling import SamplingParams
 from shared.tenants import Tenant
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 # Why the scheduler ended a request with an error, so the gateway can answer with the right status.
 REJECTED = "rejected"  # the request can never be served as sent (e.g. longer than any worker's cache): 400
 UNAVAILABLE = "unavailable"  # no worker took it in time: 503, worth retrying
@@ -101,6 +101,8 @@ class ScheduledSequence:
     its candidates instead, see BeamCandidates). Its block table grows by `new_block_ids`, unless
     `block_table` is set, which replaces it (after swap-in or copy-on-write). `append_token_ids` are
     tokens the scheduler chose for the sequence (a beam's next token), appended before the chunk runs.
+    A decode chunk may check up to `num_draft_tokens` tokens its worker proposes after it (speculative
+    decoding): its block table covers them too, and the worker outputs the verified ones.
     """
     seq_id: int
     num_computed_tokens: int
@@ -108,6 +110,7 @@ class ScheduledSequence:
     new_block_ids: list[int] = field(default_factory=list)
     block_table: list[int] | None = None
     append_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -182,6 +185,17 @@ class BeamCandidates:
 
 
 @dataclass(slots=True)
+class DraftReport:
+    """A speculating sequence after one step: the tokens its worker proposed and how many of them were accepted,
+    and the draft its proposer holds for its next step (`ready` tokens), so that its scheduler reserves room for
+    it. Sent only for a sequence with one of them non-zero."""
+    seq_id: int
+    proposed: int = 0
+    accepted: int = 0
+    ready: int = 0
+
+
+@dataclass(slots=True)
 class StepResult:
     """worker → scheduler (`results` stream): the tokens of one step (and its beams' candidates), or the
     error that stopped it."""
@@ -192,6 +206,7 @@ class StepResult:
     error: str | None = None
     beams: list[BeamCandidates] = field(default_factory=list)
     waited: float = 0.0  # seconds the worker, holding sequences, waited for this plan after its step before
+    drafts: list[DraftReport] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -207,6 +222,10 @@ class WorkerStats:
     forks: int = 0  # sequences forked from another (n > 1, beams), since start
     copies: int = 0  # copy-on-write block copies, since start
     plan_wait: float = 0.0  # seconds the worker, holding sequences, waited for a plan, since start
+    drafts: int = 0  # speculative drafts checked, since start
+    draft_tokens: int = 0  # tokens they proposed
+    accepted_tokens: int = 0  # of those, tokens accepted
+    accepted_at: list[int] = field(default_factory=list)  # accepted tokens by their place in the draft (0 first)
 
 
 @dataclass(slots=True)
@@ -274,6 +293,9 @@ class WorkerSnapshot:
     holder_blocks: bytes = b""
     holders_complete: bool = True
     history: WorkerHistory = field(default_factory=WorkerHistory)
+    drafts: int = 0  # speculative drafts checked since the worker joined
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 @dataclass(slots=True)

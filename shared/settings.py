@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from shared.speculative_config import SpeculativeConfig, SpeculativeConfigError
+
 ENV_PREFIX = "PAGEDSERVE_"
 
 
@@ -69,6 +71,9 @@ class Settings:
                                  "limit)")
     async_scheduling: bool = _opt(True, "plan a worker's next step while it computes the current one, so that "
                                   "it never waits for the scheduler")
+    speculative_config: str = _opt("", "draft-free speculative decoding, as vLLM's JSON: {\"method\": \"ngram\" or "
+                                   "\"suffix\", \"num_speculative_tokens\": K, ...} (shared/speculative_config.py); "
+                                   "empty = off. Greedy and seeded outputs stay token for token as without it")
     # services and bus
     redis_url: str = _opt("redis://127.0.0.1:6379/0", "Redis server the services meet on; redis+sentinel://"
                           "[:PASSWORD@]HOST:PORT[,...]/MASTER[/DB] follows the master Redis Sentinel names")
@@ -138,8 +143,17 @@ class Settings:
         if self.replica_acks < 0 or not 0 < self.replica_ack_timeout <= 4:
             raise SettingsError("replica_acks must be 0 or more and replica_ack_timeout in (0, 4] seconds; got "
                                 f"{self.replica_acks} and {self.replica_ack_timeout}")
+        try:
+            SpeculativeConfig.parse(self.speculative_config)
+        except SpeculativeConfigError as e:
+            raise SettingsError(str(e)) from None
         if self.reconnect_grace < 0:
             raise SettingsError(f"reconnect_grace must be 0 or more; got {self.reconnect_grace}")
+
+    @property
+    def speculation(self) -> SpeculativeConfig | None:
+        """The parsed speculative config, or None: speculation off."""
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def replace(self, **changes: Any) -> "Settings":
         return dataclasses.replace(self, **changes)

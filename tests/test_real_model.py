@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -36,6 +37,13 @@ LONG_SCHEMA = {"type": "array", "minItems": 6, "maxItems": 6, "items": {  # an a
     "required": ["thing", "count"], "additionalProperties": False}}
 # The stacks and their oracle engines share these, so that both hold the same KV cache.
 STACK_SETTINGS = dict(kv_cache_bytes=96 << 20, swap_space_bytes=16 << 20)
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4}'
+SUFFIX = '{"method": "suffix", "num_speculative_tokens": 4}'
+PASSAGE = ("The lighthouse keeper climbed the stairs at dusk. He wiped the salt from the great lens, lit the lamp, "
+           "and wrote the time in his log. Ships passed far out in the dark, and none of them knew his name.")
+COPY_QUESTIONS = [f"Repeat this text exactly, word for word:\n\n{PASSAGE}",
+                  f"Rewrite this text with 'keeper' replaced by 'guard', changing nothing else:\n\n{PASSAGE}"]
+COPY_TOKENS = 80
 
 
 @pytest.fixture(scope="session")
@@ -130,6 +138,21 @@ def test_greedy_chat_answers_are_transformers_own_token_for_token_in_float32(rea
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("dtype, config", [("float32", NGRAM), ("bfloat16", NGRAM), ("bfloat16", SUFFIX)],
+                         ids=["float32-ngram", "bfloat16-ngram", "bfloat16-suffix"])
+def test_greedy_answers_with_speculation_are_those_without_it_token_for_token(real_model, tokenizer, dtype, config):
+    prompts = [chat_ids(tokenizer, q) for q in COPY_QUESTIONS]
+    greedy = SamplingParams(temperature=0.0, max_tokens=COPY_TOKENS)
+    without = engine(real_model, dtype).generate(prompts, greedy)
+    speculating = engine(real_model, dtype, speculative_config=config)
+    with_ = speculating.generate(prompts, greedy)
+    assert [c.samples[0].token_ids for c in with_] == [c.samples[0].token_ids for c in without]
+    assert "lighthouse" in tokenizer.decode(with_[0].samples[0].token_ids)
+    stats = speculating.cluster.stats(0.0).workers[0]
+    generated = sum(len(c.samples[0].token_ids) for c in with_)
+    assert stats.accepted_tokens > generated / 3, "much of a copying answer comes from accepted drafts"
+
+
 def test_prompt_logprobs_are_transformers_log_softmax(real_model, tokenizer, hf_model):
     prompt = chat_ids(tokenizer, QUESTIONS[3]) + tokenizer("The sea is calm and blue tonight.").input_ids
     [completion] = engine(real_model, "float32").generate(
@@ -155,9 +178,9 @@ class Stack:
         return openai.OpenAI(base_url=self.up.url + "/v1", api_key=KEY, max_retries=0, timeout=180)
 
 
-def start_stack(dtype: str, cache: Path, log: Path) -> Stack:
+def start_stack(dtype: str, cache: Path, log: Path, **settings) -> Stack:
     """`pagedserve up` as the Quick start runs it, no --model: two workers serving the real model by default."""
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in STACK_SETTINGS.items()]
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in {**STACK_SETTINGS, **settings}.items()]
     up = UpProcess.start(["--workers", "2", "--port", str(free_port()), "--api-key", KEY, "--heartbeat-ttl", "2",
                           "--dtype", dtype, *flags], log, env={"PAGEDSERVE_CACHE_DIR": str(cache)})
     return Stack(up, dtype)
@@ -409,7 +432,8 @@ def test_a_worker_killed_mid_stream_of_constrained_answers_leaves_them_as_the_fa
 
 @pytest.fixture(scope="module")
 def stack16(chat_gguf, real_model, real_cache, tmp_path_factory):
-    stack = start_stack("bfloat16", real_cache, tmp_path_factory.mktemp("up16") / "up.log")
+    # with speculation: its streams, a worker SIGKILLed under them, are still those of the engine without it
+    stack = start_stack("bfloat16", real_cache, tmp_path_factory.mktemp("up16") / "up.log", speculative_config=NGRAM)
     yield stack
     stack.up.stop()
 
@@ -430,3 +454,8 @@ def test_a_worker_killed_mid_stream_leaves_every_stream_as_the_fault_free_run(dt
         text = tokenizer.decode(completion.samples[0].token_ids, skip_special_tokens=True)
         assert got.error is None, f"stream {i}: {got.error}"
         assert (got.text, got.completion_tokens, got.finish_reason) == (text, STREAM_TOKENS, "length"), f"stream {i}"
+    if dtype == "bfloat16":  # the speculating stack's workers checked drafts, and /metrics says so
+        metrics = httpx.get(stack.up.url + "/metrics").text
+        accepted = re.findall(r'^pagedserve_spec_decode_num_accepted_tokens_total\{worker="[^"]+"\} (\S+)$', metrics,
+                              re.M)
+        assert accepted and sum(map(float, accepted)) > 0

@@ -40,8 +40,8 @@ class RecordingRunner:
         if pairs:
             self.calls.append((kind, pairs))
 
-    def execute(self, chunks: list[tuple[SequenceState, int, int]],
-                eos_token_ids: list[int]) -> list[tuple[SequenceState, SampledToken]]:
+    def execute(self, chunks: list[tuple[SequenceState, int, int]], eos_token_ids: list[int],
+                drafts: dict[int, list[int]]) -> list[tuple[SequenceState, SampledToken]]:
         self.calls.append(("forward", [(s.seq_id, c, n, list(s.block_table)) for s, c, n in chunks]))
         return [(s, SampledToken(EOS if len(s.token_ids) >= self.eos_at else 100 + len(s.token_ids)))
                 for s, c, n in chunks if c + n == len(s.token_ids)]

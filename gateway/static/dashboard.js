@@ -209,7 +209,10 @@
     v.section.querySelector(".queues").innerHTML =
       `running <b data-count="running">${w.running}</b> requests (<b>${w.running_seqs}</b> sequences) · ` +
       `waiting <b data-count="waiting">${w.waiting}</b> · preempted <b data-count="preempted">${w.preempted}</b>` +
-      ` (swapped ${w.swapped}) · prefix-cache hit rate <b data-count="hit-rate">${rate}</b> since it joined`;
+      ` (swapped ${w.swapped}) · prefix-cache hit rate <b data-count="hit-rate">${rate}</b> since it joined` +
+      (w.drafts ? ` · speculation: <b data-count="acceptance">${(100 * w.accepted_tokens / w.draft_tokens).toFixed(1)}%` +
+        `</b> of draft tokens accepted, <b data-count="acceptance-length">${(1 + w.accepted_tokens / w.drafts).toFixed(2)}` +
+        `</b> tokens per drafting step` : "");
     drawMap(v);
     const h = w.history;
     const t = snap.history_time.slice(snap.history_time.length - h.steps.length);
