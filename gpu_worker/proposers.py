@@ -7,7 +7,7 @@
   before, in the sequence itself or in the outputs of recently finished sequences on this worker, and its most
   frequent continuation, one token at a time. arctic-inference's suffix trees do this with speculation trees, which
   need tree attention; it is a C++ extension not installable here, and pagedserve checks one chain per sequence,
-  so a small index of context hashes does the same job.
+  so a small index of context hashes (`ContextIndex`) does the same job.
 
 Each sequence's index is built from its tokens alone and extended as tokens are accepted (DESIGN.md: a worker's
 state of a sequence is rebuilt from its tokens). The suffix proposer's shared index of finished outputs is not,
@@ -16,7 +16,7 @@ which is allowed because a proposal never decides a token: the target model's ow
 """
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 
 from gpu_worker.sequence import SequenceState
@@ -69,82 +69,110 @@ class NgramProposer:
         """The sequence's output is final (only the suffix proposer keeps outputs)."""
 
 
+LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # the context lengths indexed, up to the config's depth
+FIELD = 21  # bits of each part of a vote
+CAP = (1 << FIELD) - 1
+
+
 @dataclass(slots=True)
 class ContextIndex:
-    """Continuation counts of every context of 1 to `depth` tokens, keyed by the context's tokens."""
-    depth: int
-    counts: dict[tuple[int, ...], Counter[int]] = field(default_factory=dict)
+    """For each context of the indexed lengths (keyed by the hash of its tokens): the continuation that followed it
+    most, by a majority vote (Boyer and Moore's: the candidate, its lead over the rest, and how often the context was
+    seen), packed in one int. A few lengths and one int each keep it to a few hundred bytes a token: a counter of
+    every continuation of every length took tens of times more. A hash collision can only make a proposal wrong."""
+    lengths: tuple[int, ...]
+    votes: dict[int, int] = field(default_factory=dict)
     num_indexed: int = 0
+
+    @classmethod
+    def of_depth(cls, depth: int) -> ContextIndex:
+        return cls(tuple(n for n in LENGTHS if n <= depth) or (depth,))
 
     def extend(self, tokens: list[int]) -> None:
         """Count the continuations of the tokens added since the last call."""
-        self.count(tokens, self.num_indexed, 1)
+        self.count(tokens, self.num_indexed)
         self.num_indexed = len(tokens)
 
-    def count(self, tokens: list[int], start: int, sign: int) -> None:
-        """Add (`sign` 1) or take out (-1) the continuations of `tokens[start:]`."""
+    def count(self, tokens: list[int], start: int) -> None:
+        votes = self.votes
         for end in range(max(start, 1), len(tokens)):
             nxt = tokens[end]
-            for n in range(1, min(self.depth, end) + 1):
-                key = tuple(tokens[end - n:end])
-                counter = self.counts.get(key)
-                if counter is None:
-                    counter = self.counts[key] = Counter()
-                counter[nxt] += sign
-                if counter[nxt] <= 0:
-                    del counter[nxt]
-                    if not counter:
-                        del self.counts[key]
+            for n in self.lengths:
+                if n > end:
+                    break
+                key = hash(tuple(tokens[end - n:end]))
+                vote = votes.get(key, 0)
+                candidate, lead, seen = vote >> 2 * FIELD, (vote >> FIELD) & CAP, vote & CAP
+                if not lead:
+                    candidate, lead = nxt, 1
+                else:
+                    lead += 1 if candidate == nxt else -1
+                votes[key] = candidate << 2 * FIELD | min(lead, CAP) << FIELD | min(seen + 1, CAP)
 
-    def longest(self, context: list[int]) -> tuple[int, Counter[int]] | None:
-        for n in range(min(self.depth, len(context)), 0, -1):
-            counter = self.counts.get(tuple(context[-n:]))
-            if counter:
-                return n, counter
+    def longest(self, context: list[int]) -> Match | None:
+        """The longest indexed context ending `context` that was seen, and its vote."""
+        for n in reversed(self.lengths):
+            if n <= len(context):
+                vote = self.votes.get(hash(tuple(context[-n:])))
+                if vote is not None and vote >> FIELD & CAP:
+                    return Match(n, vote >> 2 * FIELD, (vote >> FIELD & CAP) / (vote & CAP))
         return None
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    length: int  # tokens of context matched
+    token: int  # the continuation that followed it most
+    share: float  # its lead over the other continuations, as a share of how often the context was seen
 
 
 class SuffixProposer:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
-        self.recent = ContextIndex(config.suffix_decoding_max_tree_depth)  # outputs of finished sequences
-        self.cached: deque[list[int]] = deque()
+        self.recent = ContextIndex.of_depth(config.suffix_decoding_max_tree_depth)  # outputs of finished sequences
+        self.cached: deque[list[int]] = deque(maxlen=config.suffix_decoding_max_cached_requests or 1)
+        self.since_rebuild = 0
 
     def propose(self, seq: SequenceState, k: int) -> list[int]:
+        """Continuations one at a time while they keep a share of at least the config's least; at most the first
+        match's length times `suffix_decoding_max_spec_factor` tokens (a short match is weak evidence)."""
+        config = self.config
         index = seq.draft_index
         if index is None:
-            index = seq.draft_index = ContextIndex(self.config.suffix_decoding_max_tree_depth)
+            index = seq.draft_index = ContextIndex.of_depth(config.suffix_decoding_max_tree_depth)
         index.extend(seq.token_ids)
-        context = list(seq.token_ids[-self.config.suffix_decoding_max_tree_depth:])
+        context = list(seq.token_ids[-config.suffix_decoding_max_tree_depth:])
         draft: list[int] = []
         while len(draft) < k:
-            token = self._next(index, context)
-            if token is None:
-                break
-            draft.append(token)
-            context.append(token)
+            match = self._best(index, context)
+            if match is None or match.share < config.suffix_decoding_min_token_prob or (not draft and match.length < 2):
+                break  # (a first match of one token is no evidence: nearly every token was seen before)
+            if not draft:
+                k = min(k, max(1, int(match.length * config.suffix_decoding_max_spec_factor)))
+            draft.append(match.token)
+            context.append(match.token)
         return draft
 
-    def _next(self, index: ContextIndex, context: list[int]) -> int | None:
-        """The most frequent continuation of the longest context found (the sequence's own on a tie of length), if
-        its share of what followed that context is at least the config's least."""
+    def _best(self, index: ContextIndex, context: list[int]) -> Match | None:
+        """The longer match of the sequence's own tokens and the recent outputs (its own on a tie)."""
         own, shared = index.longest(context), self.recent.longest(context)
-        found = own if shared is None or (own is not None and own[0] >= shared[0]) else shared
-        if found is None:
-            return None
-        counter = found[1]
-        token, count = counter.most_common(1)[0]
-        return token if count >= self.config.suffix_decoding_min_token_prob * sum(counter.values()) else None
+        return own if shared is None or (own is not None and own.length >= shared.length) else shared
 
     def finished(self, seq: SequenceState) -> None:
-        """Index the sequence's output for the sequences after it, forgetting the oldest past the config's most."""
+        """Index the sequence's output for the sequences after it. Past the config's most outputs the index is
+        built again from the latest ones (a vote cannot be taken back), so it holds between one and two times
+        that many."""
         if self.config.suffix_decoding_max_cached_requests == 0:
             return
         output = seq.output_token_ids
         self.cached.append(output)
-        self.recent.count(output, 0, 1)
-        if len(self.cached) > self.config.suffix_decoding_max_cached_requests:
-            self.recent.count(self.cached.popleft(), 0, -1)
+        self.recent.count(output, 0)
+        self.since_rebuild += 1
+        if self.since_rebuild >= self.config.suffix_decoding_max_cached_requests:
+            self.recent = ContextIndex(self.recent.lengths)
+            for cached in self.cached:
+                self.recent.count(cached, 0)
+            self.since_rebuild = 0
 
 
 Proposer = NgramProposer | SuffixProposer

@@ -70,7 +70,7 @@ class Endpoint:
 async def send_completion(session: aiohttp.ClientSession, endpoint: Endpoint, req: SampleRequest) -> RequestOutput:
     out = RequestOutput(prompt_tokens=len(req.prompt_token_ids), max_tokens=req.max_tokens)
     payload = {"model": endpoint.model, "prompt": req.prompt_token_ids, "max_tokens": req.max_tokens,
-               "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+               "temperature": req.temperature, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     chunks = 0
     usage_tokens: int | None = None
     done = False

@@ -67,6 +67,7 @@ class WorkloadSpec:
 class SampleRequest:
     prompt_token_ids: list[int]
     max_tokens: int
+    temperature: float = 0.0  # greedy unless a workload samples
 
 
 def lognormal_lengths(rng: np.random.Generator, mean: float, sigma: float, n: int) -> np.ndarray:

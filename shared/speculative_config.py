@@ -4,8 +4,11 @@ The JSON object takes `method` ("ngram": prompt lookup; "suffix": suffix decodin
 outputs), `num_speculative_tokens` (the most tokens proposed per step), for ngram `prompt_lookup_min` and
 `prompt_lookup_max` (the n-gram lengths matched), and for suffix `suffix_decoding_max_tree_depth` (the longest
 context matched), `suffix_decoding_max_cached_requests` (finished requests whose outputs stay indexed) and
-`suffix_decoding_min_token_prob` (a continuation's least share among those seen to be proposed). Any other key, or
-a method that needs a draft model, is refused with an error that names it.
+`suffix_decoding_min_token_prob` (a continuation's least lead among those seen, as a share, to be proposed),
+`suffix_decoding_max_spec_factor` (a draft is at most this times its first match's length), and
+`disable_by_batch_size` (no drafts on a worker running more sequences than this: where a step's drafts would make it
+compute-bound; 0 = no limit). Any other key, or a method that needs a draft model, is refused with an error that
+names it.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import json
 from dataclasses import dataclass
 
 METHODS = ("ngram", "suffix")
+FLOATS = ("suffix_decoding_min_token_prob", "suffix_decoding_max_spec_factor")
 
 
 class SpeculativeConfigError(ValueError):
@@ -28,6 +32,8 @@ class SpeculativeConfig:
     suffix_decoding_max_tree_depth: int = 16
     suffix_decoding_max_cached_requests: int = 256
     suffix_decoding_min_token_prob: float = 0.1
+    suffix_decoding_max_spec_factor: float = 1.0
+    disable_by_batch_size: int = 0
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig | None:
@@ -52,7 +58,7 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in raw:
             raise SpeculativeConfigError("speculative_config.num_speculative_tokens is required")
         for name, value in raw.items():
-            want = float if name == "suffix_decoding_min_token_prob" else str if name == "method" else int
+            want = float if name in FLOATS else str if name == "method" else int
             if want is float and isinstance(value, int) and not isinstance(value, bool):
                 value = raw[name] = float(value)
             if type(value) is not want:
@@ -68,8 +74,12 @@ class SpeculativeConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise SpeculativeConfigError("speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max; got "
                                          f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.disable_by_batch_size < 0:
+            raise SpeculativeConfigError("speculative_config.disable_by_batch_size must be 0 (no limit) or more")
         if self.suffix_decoding_max_tree_depth < 1 or self.suffix_decoding_max_cached_requests < 0:
             raise SpeculativeConfigError("speculative_config.suffix_decoding_max_tree_depth must be at least 1 and "
                                          "suffix_decoding_max_cached_requests 0 or more")
         if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0:
             raise SpeculativeConfigError("speculative_config.suffix_decoding_min_token_prob must be in [0, 1]")
+        if self.suffix_decoding_max_spec_factor <= 0:
+            raise SpeculativeConfigError("speculative_config.suffix_decoding_max_spec_factor must be positive")

@@ -11,11 +11,14 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable
 
-from shared.protocol import BeamCandidates, StepPlan, StepResult, TokenOutput, WorkerRegistration
+from shared.protocol import BeamCandidates, DraftReport, StepPlan, StepResult, TokenOutput, WorkerRegistration
 from shared.sampling import SamplingParams, finish_reason
 
 # (rid, sample_index, output_index) → token id
 TokenPicker = Callable[[str, int, int], int]
+# n → a count from 0 to n: how many draft tokens to propose, how many of them are right, how many to hold next
+DraftCounter = Callable[[int], int]
+REJECTED = -7  # a proposed token no sampler ever returns: the place where a draft goes wrong
 
 
 @dataclass(slots=True)
@@ -30,9 +33,10 @@ class SimSequence:
 
 
 class SimWorker:
-    def __init__(self, reg: WorkerRegistration, pick: TokenPicker) -> None:
+    def __init__(self, reg: WorkerRegistration, pick: TokenPicker, drafts: DraftCounter | None = None) -> None:
         self.reg = reg
         self.pick = pick
+        self.drafts = drafts  # speculative decoding: drafts of these sizes, each written into its reserved slots
         self.epoch: int | None = None
         self.slots: dict[int, tuple[int, ...]] = {}
         self.swap: dict[int, list[tuple[int, ...] | None]] = {}
@@ -74,6 +78,7 @@ class SimWorker:
                                                 prompt + new.output_token_ids, len(new.output_token_ids))
         written: set[int] = set()
         computed = []
+        verified: dict[int, tuple[int, list[int]]] = {}  # seq id → its draft's length and the tokens its step gives
         beams: list[BeamCandidates] = []
         for sched in plan.scheduled:
             seq = self.seqs[sched.seq_id]
@@ -90,12 +95,21 @@ class SimWorker:
             assert sched.num_new_tokens > 0 and end <= len(seq.tokens)
             assert len(seq.table) * bs >= end, "the table covers every position computed"
             assert 0 not in seq.table[:-(-end // bs)], "the null block is never used"
-            for p in range(sched.num_computed_tokens, end):
+            draft: list[int] = []
+            if sched.num_draft_tokens and end == len(seq.tokens) and not seq.params.beam_width and self.drafts:
+                assert len(seq.table) * bs >= end + sched.num_draft_tokens, "the table covers the draft's slots"
+                proposed = self.drafts(sched.num_draft_tokens)
+                right = self.drafts(proposed)
+                tokens = [self.pick(seq.rid, seq.sample_index, seq.num_outputs + i) for i in range(right + 1)]
+                draft = (tokens[:right] + [REJECTED] * proposed)[:proposed]
+                verified[sched.seq_id] = (proposed, tokens)
+            for p in range(sched.num_computed_tokens, end + len(draft)):
                 slot = seq.table[p // bs] * bs + p % bs
                 assert slot not in written, "two sequences write one slot in one step"
                 written.add(slot)
-                self.slots[slot] = tuple(seq.tokens[:p + 1])
+                self.slots[slot] = tuple((seq.tokens + draft)[:p + 1])
         outputs = []
+        reports: list[DraftReport] = []
         for sched in computed:
             seq = self.seqs[sched.seq_id]
             end = sched.num_computed_tokens + sched.num_new_tokens
@@ -106,15 +120,23 @@ class SimWorker:
             if end == len(seq.tokens) and seq.params.beam_width:
                 beams.append(BeamCandidates(sched.seq_id, self.candidates(seq)))
             elif end == len(seq.tokens):
-                token = self.pick(seq.rid, seq.sample_index, seq.num_outputs)
-                seq.tokens.append(token)
-                seq.num_outputs += 1
-                reason = finish_reason(seq.params, seq.tokens[len(seq.tokens) - seq.num_outputs:], len(seq.tokens),
-                                       self.reg.max_model_len, self.reg.eos_token_ids)
-                seq.finished = reason is not None
-                outputs.append(TokenOutput(seq.rid, seq.sample_index, seq.num_outputs - 1, token,
-                                           finish_reason=reason))
-        return StepResult(self.reg.worker_id, plan.epoch, plan.step_id, outputs, beams=beams)
+                proposed, tokens = verified.get(sched.seq_id, (0, []))
+                emitted = 0
+                for token in tokens or [self.pick(seq.rid, seq.sample_index, seq.num_outputs)]:
+                    seq.tokens.append(token)
+                    seq.num_outputs += 1
+                    emitted += 1
+                    reason = finish_reason(seq.params, seq.tokens[len(seq.tokens) - seq.num_outputs:],
+                                           len(seq.tokens), self.reg.max_model_len, self.reg.eos_token_ids)
+                    seq.finished = reason is not None
+                    outputs.append(TokenOutput(seq.rid, seq.sample_index, seq.num_outputs - 1, token,
+                                               finish_reason=reason))
+                    if seq.finished:
+                        break
+                ready = self.drafts(4) if self.drafts and not seq.finished else 0
+                if proposed or ready:
+                    reports.append(DraftReport(sched.seq_id, proposed, min(emitted - 1, proposed), ready))
+        return StepResult(self.reg.worker_id, plan.epoch, plan.step_id, outputs, beams=beams, drafts=reports)
 
     def candidates(self, seq: SimSequence) -> list[tuple[int, float]]:
         """A beam's K best continuations under a made-up distribution that depends on its tokens alone."""

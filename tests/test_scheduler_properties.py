@@ -23,6 +23,7 @@ BS = 8
 EOS = 1
 VOCAB = [2, 3, 4, 5]  # few distinct ids: prompts and generated blocks collide, so prefixes are shared
 PREFIXES = [[], [2] * 8, [2, 3, 4, 5] * 4]
+SPECULATION = '{"method": "ngram", "num_speculative_tokens": 3}'
 MAX_DRAIN_STEPS = 5000  # rounds; slow configurations (one sequence a step) need several hundred
 
 worker_spec = st.tuples(st.integers(4, 10), st.integers(0, 20), st.integers(24, 80))
@@ -40,11 +41,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         watermark=st.sampled_from([0.0, 0.1]),
         reservation=st.sampled_from(["paged", "paged", "max_model_len"]),
         lookahead=st.booleans(),
+        speculation=st.booleans(),
         specs=st.lists(worker_spec, min_size=1, max_size=2),
     )
-    def setup(self, budget, max_seqs, mode, caching, watermark, reservation, lookahead, specs):
+    def setup(self, budget, max_seqs, mode, caching, watermark, reservation, lookahead, speculation, specs):
         settings = Settings(block_size=BS, max_num_batched_tokens=budget, max_num_seqs=max_seqs, preemption_mode=mode,
-                            enable_prefix_caching=caching, watermark=watermark, async_scheduling=lookahead)
+                            enable_prefix_caching=caching, watermark=watermark, async_scheduling=lookahead,
+                            speculative_config=SPECULATION if speculation else "")
         # the benchmarks' contiguous-reservation baseline runs on the same core: check it too
         self.sched = Cluster(settings, epoch=7,
                              worker_scheduler=reserving_scheduler() if reservation == "max_model_len" else None)
@@ -57,13 +60,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.ended: dict[str, str] = {}
         self.ids = itertools.count()
         self.draw_token = lambda: VOCAB[0]
+        self.draw_count = lambda n: n  # drafts: a count in 0..n, drawn per step like the tokens
         for spec in specs:
             self._add_worker(spec)
 
     def _add_worker(self, spec) -> None:
         num_blocks, num_swap, max_len = spec
         reg = WorkerRegistration(f"w{next(self.ids)}", "model", num_blocks, num_swap, BS, max_len, [EOS])
-        self.sims[reg.worker_id] = SimWorker(reg, lambda rid, sample, index: self.draw_token())
+        self.sims[reg.worker_id] = SimWorker(reg, lambda rid, sample, index: self.draw_token(),
+                                             lambda n: self.draw_count(n) if self.sched.settings.speculation else 0)
         self.sched.add_worker(reg)
 
     def _worker(self, index: int) -> str:
@@ -96,7 +101,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         ws = self.sched.workers[wid]
         for sched in plan.scheduled:
             table = ws.kv.seqs[sched.seq_id].table
-            first, end = sched.num_computed_tokens // BS, -(-(sched.num_computed_tokens + sched.num_new_tokens) // BS)
+            written = sched.num_computed_tokens + sched.num_new_tokens + sched.num_draft_tokens
+            first, end = sched.num_computed_tokens // BS, -(-written // BS)
             assert all(b.ref_cnt == 1 for b in table[first:end]), "a write into a shared block"
         for new in plan.new_sequences:
             req = self.requests[new.rid]
@@ -105,7 +111,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert new.output_token_ids == self.record[new.rid][new.sample_index], "generated tokens are kept"
         event(f"plan: copies={bool(plan.copies)} swap_out={bool(plan.swap_out)} swap_in={bool(plan.swap_in)}")
         event(f"plan: lookahead={in_flight > 0}")
+        event(f"plan: drafts={any(s.num_draft_tokens for s in plan.scheduled)}")
         self.draw_token = lambda: data.draw(st.sampled_from([EOS] + VOCAB), label="token")
+        self.draw_count = lambda n: data.draw(st.integers(0, n), label="draft count")
         self.pending.setdefault(wid, []).append(self.sims[wid].execute(plan))
 
     @rule(data=st.data(), steps=st.integers(1, 8))
@@ -224,6 +232,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not hasattr(self, "sched"):
             return
         self.draw_token = lambda: VOCAB[0]
+        self.draw_count = lambda n: n  # every draft as long as allowed, and right
         for _ in range(MAX_DRAIN_STEPS):
             if not self.sched.has_unfinished() and not any(self.pending.values()):
                 break

@@ -113,6 +113,16 @@ def test_a_draft_ends_where_its_stop_token_or_max_tokens_does(tmp_path, single_t
     assert all(len(out[0]) <= 13 for out in got)
 
 
+def test_a_worker_running_more_sequences_than_disable_by_batch_size_checks_no_draft(tmp_path, single_thread):
+    model_dir = write_tiny("gpt2", tmp_path / "gpt2")
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    four = repeating_prompts()  # four sequences run together until they all end
+    limited = NGRAM.replace("}", ', "disable_by_batch_size": %d}')
+    _, over = run(model_dir, four, greedy, dtype="float32", speculative_config=limited % 3)
+    _, within = run(model_dir, four, greedy, dtype="float32", speculative_config=limited % 4)
+    assert over.drafts == 0 and within.drafts > 0
+
+
 def chi_square_bound(df: int, z: float = 3.29) -> float:
     """The chi-square statistic's upper 0.05 % point (Wilson-Hilferty): a correct sampler passes all but 1 in 2,000
     seeds; the test is seeded, so it passes or fails the same way every run."""
