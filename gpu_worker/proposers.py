@@ -72,6 +72,8 @@ class NgramProposer:
 LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # the context lengths indexed, up to the config's depth
 FIELD = 21  # bits of each part of a vote
 CAP = (1 << FIELD) - 1
+MIN_OWN_MATCH = 2  # context tokens a draft's first token needs matched in the sequence's own text
+MIN_RECENT_MATCH = 4  # ... and in the outputs of finished sequences
 
 
 @dataclass(slots=True)
@@ -144,18 +146,23 @@ class SuffixProposer:
         context = list(seq.token_ids[-config.suffix_decoding_max_tree_depth:])
         draft: list[int] = []
         while len(draft) < k:
-            match = self._best(index, context)
-            if match is None or match.share < config.suffix_decoding_min_token_prob or (not draft and match.length < 2):
-                break  # (a first match of one token is no evidence: nearly every token was seen before)
+            match = self._best(index, context, first=not draft)
+            if match is None or match.share < config.suffix_decoding_min_token_prob:
+                break
             if not draft:
                 k = min(k, max(1, int(match.length * config.suffix_decoding_max_spec_factor)))
             draft.append(match.token)
             context.append(match.token)
         return draft
 
-    def _best(self, index: ContextIndex, context: list[int]) -> Match | None:
-        """The longer match of the sequence's own tokens and the recent outputs (its own on a tie)."""
+    def _best(self, index: ContextIndex, context: list[int], first: bool) -> Match | None:
+        """The longer match of the sequence's own tokens and the recent outputs (its own on a tie). A draft's first
+        token needs a match of at least `MIN_OWN_MATCH` tokens in its own, `MIN_RECENT_MATCH` in the recent outputs:
+        nearly every token was seen before, and a short match in other requests' text is no evidence."""
         own, shared = index.longest(context), self.recent.longest(context)
+        if first:
+            own = own if own is not None and own.length >= MIN_OWN_MATCH else None
+            shared = shared if shared is not None and shared.length >= MIN_RECENT_MATCH else None
         return own if shared is None or (own is not None and own.length >= shared.length) else shared
 
     def finished(self, seq: SequenceState) -> None:
