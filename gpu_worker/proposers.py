@@ -32,9 +32,7 @@ class NgramIndex:
     num_indexed: int = 0  # tokens whose preceding n-grams are in `ends`
 
     def extend(self, tokens: list[int]) -> None:
-        if len(tokens) < self.num_indexed:  # never happens for a live sequence: its tokens only grow
-            self.ends.clear()
-            self.num_indexed = 0
+        """Index the n-grams ending at the tokens added since the last call (a sequence's tokens only grow)."""
         for end in range(max(self.num_indexed, 1), len(tokens)):
             for n in range(self.min_n, min(self.max_n, end) + 1):
                 self.ends[tuple(tokens[end - n:end])] = end

@@ -15,7 +15,6 @@ back when the result comes in (WorkerScheduler.apply_result). A worker running m
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 from scheduler.request import RequestState, SeqState
 from shared.protocol import DraftReport
@@ -41,9 +40,9 @@ class Drafting:
         self.max_model_len = max_model_len
         self.tally = DraftTally(accepted_at=[0] * self.max_draft)
 
-    def begin_step(self, running_seqs: Callable[[], int]) -> None:
-        """A step is being built on a worker running `running_seqs()` sequences (counted only under a limit)."""
-        self.off = bool(self.max_batch) and running_seqs() > self.max_batch
+    def begin_step(self, running_seqs: int) -> None:
+        """A step is being built on a worker running `running_seqs` sequences (called only under a limit)."""
+        self.off = running_seqs > self.max_batch
 
     def offer(self, rs: RequestState, seq: SeqState, budget: int) -> int:
         """Draft tokens the sequence may check after its decode token in the step being built (`budget`: the step's

@@ -172,8 +172,8 @@ class WorkerScheduler:
             return None
         step = StepBuilder(StepPlan(self.worker_id, self.epoch, next(self.ids.steps)),
                            self.settings.max_num_batched_tokens, self.settings.max_num_seqs)
-        if self.drafting.max_draft:
-            self.drafting.begin_step(lambda: self.num_running_seqs)
+        if self.drafting.max_batch:  # (counting the running sequences walks every running request)
+            self.drafting.begin_step(self.num_running_seqs)
         if self.running and not self._make_room(step):
             return None  # the room waits for the plans in flight: no plan behind them keeps the head out longer
         for rs in list(self.running):
