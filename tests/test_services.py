@@ -158,6 +158,21 @@ def test_scheduler_killed_and_replaced(redis_url, stack_factory, reference):
     assert "resumed requests" in stack.log("scheduler-2")
 
 
+def inject(fault: str, stack: Stack, own_redis) -> None:
+    """The worker SIGKILLed, the scheduler SIGKILLed and a new one started, or Redis SIGKILLed and restarted (what
+    it acknowledged is in its AOF: fsync always)."""
+    if fault == "worker":
+        stack.kill("w1")
+    elif fault == "scheduler":
+        stack.kill("scheduler")
+        stack.start_scheduler("scheduler-2")
+    else:
+        own_redis.proc.kill()
+        own_redis.proc.wait()
+        time.sleep(0.5)
+        own_redis.start()
+
+
 TENANTS = [Tenant("a", max_seqs=5), Tenant("b", weight=3.0), Tenant("c", shared_cache=True)]
 
 
@@ -169,18 +184,20 @@ def test_recovery_stays_exactly_once_with_tenants_and_priorities_in_play(own_red
 
     def whose(i: int) -> dict:
         return {"tenant": TENANTS[i % 3], "priority": (i % 4) - 2 if policy == "priority" else 0}
+    assert _stream_with_fault(client, stack, batch, lambda: inject(fault, stack, own_redis), whose) == reference(batch)
 
-    def replace_scheduler() -> None:
-        stack.kill("scheduler")
-        stack.start_scheduler("scheduler-2")
 
-    def kill_redis() -> None:  # SIGKILL: what it acknowledged is in its AOF (fsync always)
-        own_redis.proc.kill()
-        own_redis.proc.wait()
-        time.sleep(0.5)
-        own_redis.start()
-    faults = {"worker": lambda: stack.kill("w1"), "scheduler": replace_scheduler, "redis": kill_redis}
-    assert _stream_with_fault(client, stack, batch, faults[fault], whose) == reference(batch)
+@pytest.mark.parametrize("fault", ["worker", "scheduler", "redis"])
+def test_recovery_stays_exactly_once_with_speculation_on(own_redis, stack_factory, reference, fault):
+    """A draft token is output only once verified, and a draft's slots are reserved per plan: whatever dies, every
+    stream is the fault-free one without speculation, and the survivors go on drafting."""
+    stack, client = stack_factory(own_redis.url, speculative_config='{"method": "suffix", "num_speculative_tokens": 4}')
+    batch = prompts(12, seed=15)
+    # served once, the outputs are in their workers' suffix indexes: asked again, most drafts are accepted
+    client.wait([client.submit(p, GREEDY) for p in batch], stack=stack)
+    assert _stream_with_fault(client, stack, batch, lambda: inject(fault, stack, own_redis)) == reference(batch)
+    # a replaced scheduler counts from its start: there, these are drafts accepted after the fault
+    assert sum(w.accepted_tokens for w in client.settled_stats().workers) > 0, "the stack speculated"
 
 
 def test_an_abort_written_while_no_scheduler_runs_is_applied_by_the_next_one(redis_url, stack_factory):
