@@ -57,11 +57,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from gpu_worker.cpu_setup import reuse_freed_memory
     from gpu_worker.packed_linear import available_kinds, twin
+    from kernels import native
 
     torch.set_num_threads(1)
     reuse_freed_memory()  # as the worker does: a large call's scratch is not page-faulted in afresh each time
     dtype = getattr(torch, args.dtype)
-    have = [kind for kind in ORDER if kind in available_kinds(dtype)]
+    kernel = native.load()
+    have = [kind for kind in ORDER if kind in available_kinds(kernel, dtype)]
     ways = args.ways.split(",") if args.ways else have
     missing = [w for w in ways if w not in have]
     if missing:
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, n, k in SHAPES[model]:
             gen = torch.Generator().manual_seed(n * k)
             linear = torch.nn.Linear(k, n, bias=False).to(dtype)
-            twins = [twin(w, linear) for w in ways]
+            twins = [twin(w, linear, kernel) for w in ways]
             for m in rows:
                 x = torch.randn(m, k, generator=gen).to(dtype)
                 repeats = max(2, min(500, int(2e7 / (n * k * max(m, 8) ** 0.5))))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker import cpu_setup, native_mlp, native_norm, native_rotary, packed_linear
+from gpu_worker import cpu_paths, cpu_setup
 from gpu_worker.cache_engine import CacheEngine, CacheShape, kv_cache_blocks
 from gpu_worker.input_batch import prepare_inputs
 from gpu_worker.loader import load_config, load_model, resolve_dtype
@@ -15,7 +15,7 @@ from gpu_worker.models.layers import ForwardContext, PagedAttention
 from gpu_worker.sampler import SampledToken, Sampler, top_logprobs
 from gpu_worker.sequence import SequenceState
 from gpu_worker.speculation import draft_rows, verified
-from kernels import attention_backend, step_attention
+from kernels import attention_backend, backend_name, step_attention
 from shared.model_dir import max_model_len, read_config
 from shared.protocol import PromptLogprob
 from shared.sampling import SamplingParams
@@ -46,25 +46,33 @@ class ModelRunner:
         self.backend = attention_backend(settings.attention_backend, self.device.type)
         free_before, total = torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else (0, 0)
         self.model = load_model(model_dir, config, self.max_model_len, self.device, self.dtype, progress)
-        if self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32):
-            bfloat16 = self.dtype == torch.bfloat16
-            if bfloat16:
-                native_mlp.swap_mlps(self.model)  # first: the gate|up projection is packed gated where it can be
-            packed_linear.pack_linears(self.model)
-            if bfloat16:
-                native_norm.swap_norms(self.model)
-                native_rotary.swap_rotaries(self.model)
-            log.info("%s linears: %s", str(self.dtype).removeprefix("torch."),
-                     packed_linear.KINDS[packed_linear.linear_kind(self.dtype)])
         layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         self.cache_shape = CacheShape(len(layers), layers[0].num_kv_heads, layers[0].head_dim, self.block_size,
                                       self.dtype)
+        self.paths = None  # on a GPU: Triton's and cuBLAS's reductions change with the batch
+        if self.device.type == "cpu":
+            self.paths = cpu_paths.choose(settings.cpu_kernels, self.dtype,
+                                          backend_name(settings.attention_backend, "cpu"), layers[0].head_dim,
+                                          self.block_size)
+            self.paths.apply(self.model)
+            log.info(self.paths.describe())
+        if settings.require_batch_invariance and not self.batch_invariant:
+            raise RuntimeError(
+                "require_batch_invariance is set, and this worker is not batch invariant "
+                f"({self.paths.describe() if self.paths else 'a GPU'}): its greedy and seeded tokens could change "
+                "with the batch, a preemption or a restart. Serve on the CPU with the C kernels (a C compiler, "
+                "cpu_kernels not 'torch', the cpu attention backend) or unset require_batch_invariance")
         num_blocks = self._num_blocks(free_before, total)
         num_swap_blocks = settings.swap_space_bytes // self.cache_shape.block_bytes
         self.cache = CacheEngine(self.cache_shape, num_blocks, num_swap_blocks, self.device, self.backend)
-        self.sampler = Sampler(self.device)
+        self.sampler = Sampler(self.device, kernel=self.paths.kernel if self.paths else None)
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB), swap: %d blocks", num_blocks, self.block_size,
                  num_blocks * self.cache_shape.block_bytes / 2**20, num_swap_blocks)
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a row's logits are the same bits in any batch (gpu_worker/cpu_paths.py)."""
+        return self.paths is not None and self.paths.batch_invariant
 
     def _num_blocks(self, free_before: int, total: int) -> int:
         def gpu_budget() -> float:
@@ -111,8 +119,9 @@ class ModelRunner:
         """The logits of the rows sampled from, and of `extra_rows` (indices in the step's tokens), in the model's
         dtype (a greedy step need not widen them)."""
         inputs = prepare_inputs(chunks, self.block_size, self.device, drafts)
-        ctx = ForwardContext(cache.kv_caches, step_attention(self.backend, inputs.slot_mapping, inputs.block_tables,
-                                                             inputs.query_start_loc, inputs.seq_lens))
+        attend = step_attention(self.backend, inputs.slot_mapping, inputs.block_tables, inputs.query_start_loc,
+                                inputs.seq_lens, self.paths.kernel if self.paths else None)
+        ctx = ForwardContext(cache.kv_caches, attend)
         hidden = self.model(inputs.input_ids, inputs.positions, ctx)
         rows = inputs.logits_indices
         if extra_rows:

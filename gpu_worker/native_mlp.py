@@ -19,7 +19,6 @@ from torch import nn
 
 from gpu_worker import packed_linear
 from gpu_worker.models.layers import GatedMLP, replace_modules
-from kernels import native
 
 
 class NativeGatedMLP(nn.Module):
@@ -27,11 +26,11 @@ class NativeGatedMLP(nn.Module):
     where the linears read the pairs' layout (swapped before they are packed: the projection is packed gated
     here)."""
 
-    def __init__(self, mlp: GatedMLP, kernel: ctypes.CDLL) -> None:
+    def __init__(self, mlp: GatedMLP, kernel: ctypes.CDLL, way: str) -> None:
         super().__init__()
         self.down_proj, self.kernel = mlp.down_proj, kernel
         # still torch's (swapped before pack_linears): packed here, gated
-        way, projection = packed_linear.linear_kind(), mlp.gate_up_proj
+        projection = mlp.gate_up_proj
         self.gated = (way in packed_linear.GATED_KINDS and isinstance(projection, nn.Linear)
                       and projection.weight.dtype == torch.bfloat16)
         self.gate_up_proj = (packed_linear.NativeLinear(projection, kernel, way, gated=True) if self.gated
@@ -54,11 +53,8 @@ class NativeGatedMLP(nn.Module):
         return out.view(*gate_up.shape[:-1], n)
 
 
-def swap_mlps(model: nn.Module) -> int:
-    """Replace every SiLU-gated MLP of `model` (loaded, bfloat16, on the CPU, before pack_linears) by its native
-    twin; how many (none without a C compiler or AVX-512)."""
-    kernel = native.load()
-    if kernel is None or not kernel.bf16_silu_mul_vectorized():
-        return 0
-    return replace_modules(model, GatedMLP, lambda mlp: NativeGatedMLP(mlp, kernel),
+def swap_mlps(model: nn.Module, kernel: ctypes.CDLL, way: str) -> int:
+    """Replace every SiLU-gated MLP of `model` (loaded, bfloat16, on the CPU, before pack_linears packs the others
+    for `way`) by its native twin; how many."""
+    return replace_modules(model, GatedMLP, lambda mlp: NativeGatedMLP(mlp, kernel, way),
                            where=lambda mlp: mlp.act is F.silu)

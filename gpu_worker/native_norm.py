@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from gpu_worker.models.layers import RMSNorm, replace_modules
-from kernels import native
 
 
 class NativeRMSNorm(nn.Module):
@@ -34,8 +33,6 @@ class NativeRMSNorm(nn.Module):
         return out.view(x.shape)
 
 
-def swap_norms(model: nn.Module) -> int:
-    """Replace every RMSNorm of `model` (loaded, bfloat16, on the CPU) by its native twin; how many (none without
-    a C compiler)."""
-    kernel = native.load()
-    return 0 if kernel is None else replace_modules(model, RMSNorm, lambda norm: NativeRMSNorm(norm, kernel))
+def swap_norms(model: nn.Module, kernel: ctypes.CDLL) -> int:
+    """Replace every RMSNorm of `model` (loaded, bfloat16, on the CPU) by its native twin; how many."""
+    return replace_modules(model, RMSNorm, lambda norm: NativeRMSNorm(norm, kernel))

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from gpu_worker.models.layers import Rotary, apply_rotary, replace_modules
-from kernels import native
 
 
 class NativeRotary(nn.Module):
@@ -38,10 +37,6 @@ class NativeRotary(nn.Module):
         return out
 
 
-def swap_rotaries(model: nn.Module) -> int:
-    """Replace every Rotary of `model` (loaded, bfloat16, on the CPU) by its native twin; how many (none without a
-    C compiler or AVX-512)."""
-    kernel = native.load()
-    if kernel is None or not kernel.bf16_rotary_vectorized():
-        return 0
+def swap_rotaries(model: nn.Module, kernel: ctypes.CDLL) -> int:
+    """Replace every Rotary of `model` (loaded, bfloat16, on the CPU) by its native twin; how many."""
     return replace_modules(model, Rotary, lambda rotary: NativeRotary(kernel))

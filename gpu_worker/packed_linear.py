@@ -1,7 +1,7 @@
 """bfloat16 and float32 linears on the CPU, their weights packed once at load: by kernels/cpu_linear.c where it can,
 a row's outputs then the same bits whatever the batch.
 
-`linear_kind()` says which way this process takes for bfloat16:
+`linear_kind(kernel)` says which way this process takes for bfloat16:
 - "amx": cpu_linear.c with AMX tiles (Sapphire Rapids and later). The same products and sums as oneDNN's AMX
   matmul at one row, but in one order at any batch; oneDNN changes its order with the number of rows, so a
   sequence's bfloat16 tokens changed with the sequences beside it and when a restarted worker recomputed its
@@ -18,7 +18,7 @@ a row's outputs then the same bits whatever the batch.
 - "chunks": no compiler and no native bfloat16: the weights widened `CHUNK_ROWS` rows at a time for MKL (the
   worker keeps freed memory in its heap, so the chunks cost no page faults).
 
-and `linear_kind(torch.float32)` for float32:
+and `linear_kind(kernel, torch.float32)` for float32:
 - "fma": cpu_linear.c's fused multiply-adds on float32 weights, where they were measured faster than MKL: AVX2
   without AVX-512, 0.45-0.65x MKL's time at 8-64 rows (a decode step), 0.9-1.05x at 2,048; AMD's AVX-512 (16
   lanes, two panels a tile; MKL there reports no AVX-512 path), 0.3-0.5x at 8-2,048 rows, 0.9-1.1x at one;
@@ -42,12 +42,6 @@ from gpu_worker.models.layers import replace_modules
 from kernels import native
 
 CHUNK_ROWS = 256  # the fallback's float32 chunk: 768 KiB at 768 inputs, in cache
-KINDS = {"amx": "AMX tiles (kernels/cpu_linear.c), a row's outputs the same whatever the batch",
-         "avx512bf16": "AVX-512 BF16 dot products (kernels/cpu_linear.c), a row's outputs the same whatever the batch",
-         "onednn": "oneDNN's bfloat16 matmul, weights packed once",
-         "fma": "fused multiply-adds in float32 (kernels/cpu_linear.c), a row's outputs the same whatever the batch",
-         "chunks": "float32 chunks for MKL (no C compiler and no native bfloat16)",
-         "mkl": "torch's own float32 linear (MKL)"}
 NATIVE_KINDS = tuple(native.LINEAR_WAYS)  # through kernels/cpu_linear.c: a row's outputs the same bits in any batch
 GATED_KINDS = ("amx", "avx512bf16")  # the pairs' ways, whose epilogue can take the gated MLP's activation
 
@@ -175,10 +169,9 @@ def native_bfloat16() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def available_kinds(dtype: torch.dtype = torch.bfloat16) -> list[str]:
-    """Every way this process can multiply linears of `dtype` (bfloat16 or float32), the one `linear_kind` takes
-    first."""
-    kernel = native.load()
+def available_kinds(kernel: ctypes.CDLL | None, dtype: torch.dtype = torch.bfloat16) -> list[str]:
+    """Every way this process can multiply linears of `dtype` (bfloat16 or float32) with `kernel`
+    (kernels/native.py's library, or None for torch's ways alone), the one `linear_kind` takes first."""
     if dtype == torch.float32:
         if kernel is None:
             return ["mkl"]
@@ -190,29 +183,29 @@ def available_kinds(dtype: torch.dtype = torch.bfloat16) -> list[str]:
     return kinds + ["chunks"]
 
 
-def linear_kind(dtype: torch.dtype = torch.bfloat16) -> str:
-    """How this process multiplies linears of `dtype`: for bfloat16 "amx", "avx512bf16", "onednn", "fma" or
-    "chunks", for float32 "fma" or "mkl" (the module's docstring)."""
-    return available_kinds(dtype)[0]
+def linear_kind(kernel: ctypes.CDLL | None, dtype: torch.dtype = torch.bfloat16) -> str:
+    """How this process multiplies linears of `dtype` with `kernel`: for bfloat16 "amx", "avx512bf16", "onednn",
+    "fma" or "chunks", for float32 "fma" or "mkl" (the module's docstring)."""
+    return available_kinds(kernel, dtype)[0]
 
 
-def twin(kind: str, linear: nn.Linear) -> nn.Module:
-    """`linear` (bfloat16 or float32) packed for `kind`, one of `available_kinds(its dtype)`; "mkl" keeps it."""
+def twin(kind: str, linear: nn.Linear, kernel: ctypes.CDLL | None) -> nn.Module:
+    """`linear` (bfloat16 or float32) packed for `kind`, one of `available_kinds(kernel, its dtype)`; "mkl" keeps
+    it."""
     if kind in NATIVE_KINDS:
-        return NativeLinear(linear, native.load(), kind)
+        return NativeLinear(linear, kernel, kind)
     if kind == "mkl":
         return linear
     return PackedLinear(linear) if kind == "onednn" else ChunkedLinear(linear)
 
 
-def pack_linears(model: CausalLM) -> int:
-    """Replace every nn.Linear of `model` (loaded, bfloat16 or float32, on the CPU) by its packed twin; how many. A
-    tied token embedding then reads the lm_head's packed weight where cpu_linear.c packed it (oneDNN's packing is
-    opaque, and the chunks keep the embedding's own weight)."""
-    kind = linear_kind(model.lm_head.weight.dtype)
+def pack_linears(model: CausalLM, kind: str, kernel: ctypes.CDLL | None) -> int:
+    """Replace every nn.Linear of `model` (loaded, bfloat16 or float32, on the CPU) by its twin for `kind`; how
+    many. A tied token embedding then reads the lm_head's packed weight where cpu_linear.c packed it (oneDNN's
+    packing is opaque, and the chunks keep the embedding's own weight)."""
     if kind == "mkl":
         return 0
-    count = replace_modules(model, nn.Linear, lambda linear: twin(kind, linear))
+    count = replace_modules(model, nn.Linear, lambda linear: twin(kind, linear, kernel))
     if model.tie_word_embeddings and isinstance(model.lm_head, NativeLinear):
         model.set_submodule(model.embedding_module, PackedEmbedding(model.lm_head))
     return count

@@ -17,6 +17,7 @@ own logits, whatever else is in the batch, after preemption or on another worker
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import struct
 from dataclasses import dataclass, field
@@ -41,12 +42,13 @@ def seed_for(seed: int, sample_index: int, output_index: int) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def argmax(scores: torch.Tensor) -> torch.Tensor:
-    """Each row's first maximum (a NaN's where there is one), as `max(dim=-1)`'s indices. On the CPU,
-    kernels/cpu_argmax.c reads float32 or bfloat16 rows in place, where torch's `max` (and widening bfloat16 to
-    float32 for it) took several times as long (benchmarks/results/cpu-efficiency-log-2026-12.md)."""
-    kernel = native.load() if scores.device.type == "cpu" and scores.dtype in native.DTYPE_CODES else None
-    if kernel is None or scores.dim() != 2 or scores.stride(-1) != 1:
+def argmax(scores: torch.Tensor, kernel: ctypes.CDLL | None) -> torch.Tensor:
+    """Each row's first maximum (a NaN's where there is one), as `max(dim=-1)`'s indices. On the CPU with `kernel`
+    (kernels/native.py's library), kernels/cpu_argmax.c reads float32 or bfloat16 rows in place, where torch's
+    `max` (and widening bfloat16 to float32 for it) took several times as long
+    (benchmarks/results/cpu-efficiency-log-2026-12.md)."""
+    if (kernel is None or scores.device.type != "cpu" or scores.dtype not in native.DTYPE_CODES or scores.dim() != 2
+            or scores.stride(-1) != 1):
         return scores.max(dim=-1).indices
     out = torch.empty(scores.shape[0], dtype=torch.int64)
     kernel.rows_argmax(native.DTYPE_CODES[scores.dtype], scores.data_ptr(), scores.stride(0), scores.shape[0],
@@ -151,8 +153,9 @@ def top_logprobs(logprobs: torch.Tensor, ks: list[int]) -> list[list[tuple[int, 
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int | None = None) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, seed: int | None = None, kernel: ctypes.CDLL | None = None) -> None:
+        """`kernel`: kernels/native.py's library, for greedy choices and grammar masks in place on the CPU."""
+        self.device, self.kernel = device, kernel
         # unseeded rows draw from this generator; a fixed seed makes a whole worker run reproducible
         self.generator = torch.Generator(device=device)
         if seed is None:
@@ -168,14 +171,15 @@ class Sampler:
         edits = any(s.num_output_tokens < s.params.min_tokens or edits_logits(s.params) or s.grammar is not None
                     for s in seqs)
         if not edits and not any(want_logprobs) and all(s.params.greedy for s in seqs):
-            return [SampledToken(t) for t in argmax(logits).tolist()]  # as widened: widening keeps the order
+            # as widened: widening keeps the order
+            return [SampledToken(t) for t in argmax(logits, self.kernel).tolist()]
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
         if edits:
             logits = logits.clone()  # edited in place below; a copy of a batch's logits is not free, so only then
             constrained = [row for row, s in enumerate(seqs) if s.grammar is not None]
             if constrained:
-                mask_disallowed(logits, constrained, [seqs[row].grammar for row in constrained])
+                mask_disallowed(logits, constrained, [seqs[row].grammar for row in constrained], self.kernel)
             apply_logit_bias(logits, seqs)
             mask_stop_tokens(logits, seqs, eos_token_ids)
             apply_penalties(logits, seqs)
@@ -196,8 +200,8 @@ class Sampler:
     def _choose(self, logits: torch.Tensor, seqs: list[SequenceState]) -> torch.Tensor:
         greedy = [s.params.greedy for s in seqs]
         if all(greedy):
-            return argmax(logits)
-        tokens = argmax(logits)
+            return argmax(logits, self.kernel)
+        tokens = argmax(logits, self.kernel)
         rows = [i for i, g in enumerate(greedy) if not g]
         picked = [seqs[i] for i in rows]
         device = logits.device
@@ -213,7 +217,7 @@ class Sampler:
         if top_k is not None or top_p is not None:
             sub = apply_top_k_top_p(sub, top_k, top_p)
         probs = sub.softmax(dim=-1)
-        tokens[rows] = argmax(probs / self._noise(picked, sub.shape[1]))
+        tokens[rows] = argmax(probs / self._noise(picked, sub.shape[1]), self.kernel)
         return tokens
 
     def _noise(self, seqs: list[SequenceState], vocab: int) -> torch.Tensor:

@@ -153,7 +153,8 @@ def simulated_worker(profile: Profile, settings: Settings, worker_id: str, model
     return Worker(runner, WorkerRegistration(
         worker_id=worker_id, model_id=model_id, num_blocks=num_blocks,
         num_swap_blocks=settings.swap_space_bytes // block_bytes, block_size=settings.block_size,
-        max_model_len=max_model_len, eos_token_ids=list(eos_token_ids), vocab_size=vocab_size),
+        max_model_len=max_model_len, eos_token_ids=list(eos_token_ids), vocab_size=vocab_size,
+        batch_invariant=True),  # its tokens are a hash of the sequence's
         speculation=settings.speculation)
 
 

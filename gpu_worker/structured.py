@@ -8,6 +8,7 @@ kept by constraint and copied for each sequence (a copy is far cheaper than a co
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -124,15 +125,17 @@ def _tokenizer_json(model_dir: Path) -> str:
     return AutoTokenizer.from_pretrained(model_dir, local_files_only=True).backend_tokenizer.to_str()
 
 
-def mask_disallowed(logits: torch.Tensor, rows: list[int], grammars: list[SequenceGrammar]) -> None:
+def mask_disallowed(logits: torch.Tensor, rows: list[int], grammars: list[SequenceGrammar],
+                    kernel: ctypes.CDLL | None) -> None:
     """Set the logits of the tokens each row's grammar does not allow next (SequenceGrammar.prepare) to -inf: in
-    place by kernels/cpu_mask.c on the CPU, else by unpacking the bits with torch."""
+    place by kernels/cpu_mask.c on the CPU with `kernel` (kernels/native.py's library), else by unpacking the bits
+    with torch."""
     vocab = logits.shape[1]
     for g in grammars:
         g.wait()
     words = torch.stack([g.words for g in grammars])
-    kernel = native.load() if logits.device.type == "cpu" and logits.dtype in native.DTYPE_CODES else None
-    if kernel is not None and logits.stride(-1) == 1:
+    if (kernel is not None and logits.device.type == "cpu" and logits.dtype in native.DTYPE_CODES
+            and logits.stride(-1) == 1):
         index = torch.tensor(rows, dtype=torch.int64)
         kernel.rows_mask_bits(native.DTYPE_CODES[logits.dtype], logits.data_ptr(), logits.stride(0), vocab, len(rows),
                               index.data_ptr(), words.data_ptr(), words.shape[1])

@@ -88,6 +88,7 @@ class Worker:
             max_model_len=runner.max_model_len,
             eos_token_ids=eos,
             vocab_size=vocab,
+            batch_invariant=runner.batch_invariant,
         ), Grammars(path, vocab, eos), settings.speculation)
 
     @property

@@ -9,6 +9,7 @@
    Layouts: x [m, 2n] bfloat16 with a row stride, each row gate then up, contiguous; out [m, n] contiguous. */
 #include <stdint.h>
 
+#include "cpu_kernels.h"
 #include "silu.h"
 
 int bf16_silu_mul_vectorized(void) {

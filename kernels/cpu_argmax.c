@@ -6,6 +6,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_kernels.h"
 #include "bf16.h"
 
 typedef float v16f __attribute__((vector_size(64)));

@@ -22,6 +22,7 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_kernels.h"
 #include "bf16.h"
 
 #define INLINE static inline __attribute__((always_inline))

@@ -6,7 +6,7 @@ and serves every layer of the step. kernels/cpu_attention.c (built by kernels/na
 blocks in place with an online softmax, a run of a chunk's query rows per block, so it reads each key and
 value once per run where gathering copies them twice; and it sums each row's attention in the same order
 whether the row is a decode or part of a prefill chunk of any size, so a token's attention does not depend
-on chunking, batching or a recompute after preemption or a worker's restart. Without a C compiler (or for a
+on chunking, batching or a recompute after preemption or a worker's restart. Without the kernel (or for a
 float16 cache, or a head or block size that is not a multiple of 8) decode rows attend in length-sorted
 groups instead: per group one index_select of whole blocks for K and one for V, one matmul for the scores of
 all heads, a softmax in float32 and one matmul for the output, in the cache dtype as transformers' eager
@@ -17,6 +17,7 @@ Same semantics and signatures as the reference; `step_attention` is the per-step
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 
 import torch
@@ -67,6 +68,7 @@ class StepAttention:
     block_tables: torch.Tensor
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
+    kernel: ctypes.CDLL | None  # kernels/native.py's library; None: torch's gathers
     decodes: list[_DecodeGroup] = field(default_factory=list)
     native: _NativePlan | None = None  # replaces `decodes` and `chunks` where the C kernel runs
     chunks: list[_Chunk] = field(default_factory=list)
@@ -92,7 +94,7 @@ class StepAttention:
             return _decode(query, key_cache, value_cache, self.decodes[0], scale)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if self.native is not None:
-            _native_attend(query, key_cache, value_cache, out, self.native, scale)
+            _native_attend(query, key_cache, value_cache, out, self.native, scale, self.kernel)
             return out
         for group in self.decodes:
             rows = group.rows if group.rows is not None else slice(0, group.size)
@@ -110,7 +112,7 @@ class StepAttention:
         lens = self.seq_lens.tolist()
         tables = self.block_tables
         if (device.type == "cpu" and query_dtype == cache_dtype in native.DTYPE_CODES and block_size % 8 == 0
-                and head_dim % 8 == 0 and native.load() is not None):
+                and head_dim % 8 == 0 and self.kernel is not None):
             tasks = [(starts[s] + i, s, seq_len - q_len + i + 1, min(_NATIVE_SPAN, q_len - i))
                      for s, seq_len in enumerate(lens) if (q_len := starts[s + 1] - starts[s]) > 0
                      for i in range(0, q_len, _NATIVE_SPAN)]
@@ -157,11 +159,11 @@ class StepAttention:
 
 
 def _native_attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
-                   plan: _NativePlan, scale: float) -> None:
+                   plan: _NativePlan, scale: float, kernel: ctypes.CDLL) -> None:
     """Every row of `out`, by kernels/cpu_attention.c over the caches in place."""
     _, block_size, kv_heads, dim = key_cache.shape
     query = query if query.stride(-1) == 1 else query.contiguous()
-    code = native.load().paged_attention(
+    code = kernel.paged_attention(
         native.DTYPE_CODES[key_cache.dtype], query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(),
         value_cache.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1), plan.tables.data_ptr(),
         plan.tables.stride(0), plan.tasks.data_ptr(), plan.tasks.shape[0], query.shape[1], kv_heads, dim,
@@ -209,14 +211,15 @@ def _chunk(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
 
 
 def step_attention(slot_mapping: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                   seq_lens: torch.Tensor) -> StepAttention:
-    return StepAttention(slot_mapping, block_tables, query_start_loc, seq_lens)
+                   seq_lens: torch.Tensor, kernel: ctypes.CDLL | None = None) -> StepAttention:
+    return StepAttention(slot_mapping, block_tables, query_start_loc, seq_lens, kernel)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                    scale: float) -> torch.Tensor:
-    """The reference's signature: one layer's attention over caches already stored (plans for this call alone)."""
-    step = StepAttention(torch.empty(0, dtype=torch.int64), block_tables, query_start_loc, seq_lens)
+                    scale: float, kernel: ctypes.CDLL | None = None) -> torch.Tensor:
+    """The reference's signature: one layer's attention over caches already stored (plans for this call alone),
+    through the C kernel of `kernel` (kernels/native.py's library) where it takes the shapes, else torch's."""
+    step = StepAttention(torch.empty(0, dtype=torch.int64), block_tables, query_start_loc, seq_lens, kernel)
     step._plan(*key_cache.shape[1:], query.device, query.dtype, key_cache.dtype)
     return step.attend(query, key_cache, value_cache, scale)

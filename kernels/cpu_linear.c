@@ -32,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_kernels.h"
 #include "bf16.h"
 
 #if defined(__AVX2__) || defined(__FMA__) /* fmadd's intrinsics */

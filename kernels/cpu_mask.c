@@ -5,6 +5,8 @@
    calls it. */
 #include <stdint.h>
 
+#include "cpu_kernels.h"
+
 /* For i < count: row `rows[i]` of `logits` (rows `row_stride` elements apart, each `cols` contiguous) masked by
    `words + i * words_per_row`. dtype: 0 float32, 1 bfloat16. Returns 0, or -1 for an unknown dtype. */
 int rows_mask_bits(int dtype, void *logits, int64_t row_stride, int64_t cols, int64_t count, const int64_t *rows,

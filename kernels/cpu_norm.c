@@ -8,6 +8,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "cpu_kernels.h"
 #include "bf16.h"
 
 #define LANES 16

@@ -11,6 +11,7 @@
    16: elsewhere torch's path is the faster one. */
 #include <stdint.h>
 
+#include "cpu_kernels.h"
 #include "bf16.h"
 
 #define NEAREST (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)

@@ -39,7 +39,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 # The settings the in-process engine reads (the scheduler and worker cores); the rest configure services.
-ENGINE_SETTINGS = ("model", "simulate", "dtype", "device", "attention_backend", "compute_threads", "cpu_cores",
+ENGINE_SETTINGS = ("model", "simulate", "dtype", "device", "attention_backend", "cpu_kernels",
+                   "require_batch_invariance", "compute_threads", "cpu_cores",
                    "max_model_len", "block_size", "kv_cache_bytes", "gpu_memory_utilization", "num_blocks",
                    "swap_space_bytes", "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens",
                    "preemption_mode", "watermark", "async_scheduling")

@@ -277,7 +277,8 @@ class SchedulerService:
         """Follow the registered workers whose heartbeat is alive; clear the registry of the others."""
         changes = self.cluster.sync_registry(read_registry(await self.client.eval(*registry_query(self.keys))))
         for reg in changes.joined:
-            log.info("worker %s joined: %d blocks of %d tokens", reg.worker_id, reg.num_blocks, reg.block_size)
+            log.info("worker %s joined: %d blocks of %d tokens, %sbatch invariant", reg.worker_id, reg.num_blocks,
+                     reg.block_size, "" if reg.batch_invariant else "not ")
         for worker_id in changes.gone:
             log.warning("worker %s is gone (heartbeat expired); resuming its requests elsewhere", worker_id)
         for worker_id, why in changes.refused:

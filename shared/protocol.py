@@ -18,7 +18,7 @@ import msgpack
 from shared.sampling import SamplingParams
 from shared.tenants import Tenant
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 # Why the scheduler ended a request with an error, so the gateway can answer with the right status.
 REJECTED = "rejected"  # the request can never be served as sent (e.g. longer than any worker's cache): 400
 UNAVAILABLE = "unavailable"  # no worker took it in time: 503, worth retrying
@@ -67,6 +67,9 @@ class WorkerRegistration:
     eos_token_ids: list[int]
     instance: str = ""  # one per worker process: a restart under the same id registers anew
     vocab_size: int = 0  # token ids run from 0 to vocab_size - 1 (0: unknown)
+    # a row's logits the same bits in any batch (gpu_worker/cpu_paths.py): its greedy and seeded tokens survive
+    # preemption, restarts and recovery exactly
+    batch_invariant: bool = False
 
 
 @dataclass(slots=True)

@@ -39,6 +39,13 @@ class Settings:
     device: str = _opt("auto", "worker device: auto picks cuda when available", ("auto", "cpu", "cuda"))
     attention_backend: str = _opt("auto", "paged attention implementation: auto = triton on cuda, cpu elsewhere; "
                                   "torch = the pure-torch reference", ("auto", "cpu", "torch", "triton"))
+    cpu_kernels: str = _opt("auto", "the CPU worker's C kernels (kernels/native.py): auto = the build for the "
+                            "highest instruction set this CPU runs; x86-64-v2, avx2, avx512, avx512bf16 or amx = "
+                            "that build (a worker refuses one its CPU cannot run); torch = none, torch's paths "
+                            "(not batch invariant)")
+    require_batch_invariance: bool = _opt(False, "a worker whose step is not batch invariant (GPU, torch's linears "
+                                          "or attention) refuses to start: greedy and seeded tokens then survive "
+                                          "preemption, restarts and recovery bit for bit")
     max_model_len: int = _opt(0, "longest sequence (prompt + output); 0 = the model's own limit")
     compute_threads: int = _opt(0, "a worker's torch compute threads; 0 = torch's default (OMP_NUM_THREADS, else one "
                                 "per core); `up` gives each worker its share of the cores")

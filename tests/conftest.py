@@ -65,3 +65,11 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from pagedserve.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Tests that take a C kernel build (tests/kernel_builds.py) are marked `c_kernels`: the kernel oracle tests,
+    which CI runs again against the sanitized build."""
+    for item in items:
+        if {"kernel", "avx512_kernel", "best_kernel"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker("c_kernels")

@@ -65,15 +65,12 @@ def test_a_sequence_gets_the_same_bits_alone_batched_chunked_or_recomputed(tiny_
     op sums a token's values in one order whatever else is in the step, and the attention does too, decode or
     prefill chunk (kernels/cpu_attention.c). So a sequence's logprobs are the same bits alone, in a batch with
     chunked prefills, or preempted and prefilled again, as after a worker's restart."""
-    from gpu_worker import packed_linear
-
-    kind = packed_linear.linear_kind(getattr(torch, dtype))
-    if kind not in packed_linear.NATIVE_KINDS:
-        pytest.skip(f"{dtype} linears not through cpu_linear.c here ({kind}): sums in an order that depends on the "
-                    "batch")
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=0)
     prompts = make_prompts(6, seed=21)
     solo = engine(tiny_model_dir, dtype=dtype)
+    (registration,) = [w.registration for w in solo.workers.values()]
+    if not registration.batch_invariant:
+        pytest.skip(f"{dtype}: not batch invariant here (the worker's log names its CPU paths)")
     alone = [solo.generate([prompt], params)[0].samples[0] for prompt in prompts]
     # the same block size throughout, as a restarted worker keeps it: the attention's online softmax rescales
     # block by block, so another block size may round a token's output otherwise

@@ -18,6 +18,7 @@ import sys
 
 import pytest
 import torch
+from kernel_builds import best_kernel, kernel  # noqa: F401 (fixtures)
 
 from kernels import attention_backend, cpu_attention, reference, step_attention, triton_ops
 from benchmarks.paged_batches import PagedBatch, random_paged_batch
@@ -215,27 +216,25 @@ def test_dispatch():
 @pytest.mark.parametrize("block_size,head_dim,qpk,kv_heads,dtype", [
     (8, 64, 1, 2, torch.float32), (16, 80, 4, 1, torch.float32), (32, 96, 8, 1, torch.float32),
     (128, 128, 1, 2, torch.float32), (16, 64, 3, 2, torch.bfloat16), (8, 128, 2, 2, torch.float16)])
-def test_cpu_backend_matches_reference_on_mixed_batches(block_size, head_dim, qpk, kv_heads, dtype):
+def test_cpu_backend_matches_reference_on_mixed_batches(block_size, head_dim, qpk, kv_heads, dtype, kernel):
     rng = random.Random(f"cpu-{block_size}-{head_dim}-{qpk}")
     batch = make_batch(rng, mixed_chunks(rng, block_size), block_size, head_dim, qpk, kv_heads, dtype)
-    out = cpu_attention.paged_attention(*batch.attention_args(SCALE))
+    out = cpu_attention.paged_attention(*batch.attention_args(SCALE), kernel=kernel)
     torch.testing.assert_close(out, reference.paged_attention(*batch.attention_args(SCALE)), **tolerance(dtype))
 
 
-@pytest.mark.parametrize("kernel", ["native", "gathers"])
-def test_cpu_backend_decode_groups_by_length_and_rows_out_of_order(kernel, monkeypatch):
+@pytest.mark.parametrize("path", ["native", "gathers"])
+def test_cpu_backend_decode_groups_by_length_and_rows_out_of_order(path, best_kernel):
     """Decodes of very different lengths (several length groups for the torch gathers), interleaved with
     prefill chunks and a sequence with no new token; one step's plan serves every layer, each storing its own keys
     and values (through a padding slot) into NaN caches before attending. `native`: the C kernel reading the
-    caches in place (kernels/cpu_attention.c); `gathers`: the torch path where no C compiler is found."""
-    if kernel == "gathers":
-        monkeypatch.setattr(cpu_attention.native, "load", lambda: None)
+    caches in place (kernels/cpu_attention.c); `gathers`: the torch path, without the kernels."""
     chunks = [(3, 1), (0, 9), (700, 1), (40, 0), (5, 1), (260, 1), (130, 4), (1, 1), (1200, 1)]
     layers = [random_paged_batch(random.Random("cpu-groups"), chunks, 16, 64, 2, 2, torch.float32)]
     layers += [random_paged_batch(random.Random("cpu-groups"), chunks, 16, 64, 2, 2, torch.float32) for _ in range(2)]
     first = layers[0]
     attend = step_attention(cpu_attention, first.slot_mapping, first.block_tables, first.query_start_loc,
-                            first.seq_lens)
+                            first.seq_lens, best_kernel if path == "native" else None)
     for i, batch in enumerate(layers):  # the same pages (same seed); other keys, values and queries
         gen = torch.Generator().manual_seed(i)
         for t in (batch.key, batch.value, batch.query):
@@ -244,7 +243,7 @@ def test_cpu_backend_decode_groups_by_length_and_rows_out_of_order(kernel, monke
         torch.testing.assert_close(out, reference.paged_attention(*batch.attention_args(SCALE)),
                                    **tolerance(torch.float32))
     assert attend.slots is None
-    if kernel == "native":
+    if path == "native":
         assert attend.native is not None and not attend.decodes and not attend.chunks
     else:
         assert attend.native is None and len(attend.decodes) > 1 and attend.chunks
@@ -253,7 +252,7 @@ def test_cpu_backend_decode_groups_by_length_and_rows_out_of_order(kernel, monke
 @pytest.mark.parametrize("block_size,head_dim,queries_per_kv,num_kv_heads", [(16, 64, 2, 2), (8, 128, 4, 1),
                                                                            (32, 80, 1, 3)])
 def test_the_c_kernel_reads_bfloat16_caches_in_place_as_the_reference_reads_them(
-        block_size, head_dim, queries_per_kv, num_kv_heads):
+        block_size, head_dim, queries_per_kv, num_kv_heads, kernel):
     """bfloat16 caches and queries (the kernel computes in float32 and rounds its output once); NaN wherever a
     sequence has no key, a strided query as the model passes it."""
     chunks = [(0, 1), (17, 1), (300, 1), (block_size - 1, 1), (64, 1)]
@@ -263,7 +262,7 @@ def test_the_c_kernel_reads_bfloat16_caches_in_place_as_the_reference_reads_them
     wide = torch.randn(batch.query.shape[0], heads + 1, head_dim, generator=torch.Generator().manual_seed(1))
     query = wide.to(torch.bfloat16)[:, :heads]  # rows `heads + 1` heads apart, as q sliced out of qkv
     attend = step_attention(cpu_attention, batch.slot_mapping, batch.block_tables, batch.query_start_loc,
-                            batch.seq_lens)
+                            batch.seq_lens, kernel)
     out = attend(query, batch.key, batch.value, batch.key_cache, batch.value_cache, SCALE)
     assert attend.native is not None
     args = batch.attention_args(SCALE)
@@ -275,14 +274,12 @@ def test_the_c_kernel_reads_bfloat16_caches_in_place_as_the_reference_reads_them
     (torch.float32, 16, 64, 2, 2), (torch.bfloat16, 16, 64, 2, 2), (torch.bfloat16, 8, 128, 1, 3),
     (torch.float32, 32, 80, 4, 1)])
 def test_a_tokens_attention_is_the_same_bits_decoded_prefilled_whole_or_in_chunks(dtype, block_size, head_dim,
-                                                                                   queries_per_kv, num_kv_heads):
+                                                                                   queries_per_kv, num_kv_heads,
+                                                                                   kernel):
     """One sequence of 45 tokens in a NaN-poisoned cache, its pages shuffled: each position's output alone as a
     decode, in one prefill of all 45, and in chunks of 5, 13 and 27 over the cached context before them, in one
     step with other sequences. The C kernel sums each row in one order, so a worker's restart (which prefills
     what was decoded) changes no bit; the reference checks the values."""
-    from kernels import native
-
-    assert native.load() is not None
     length, heads = 45, queries_per_kv * num_kv_heads
     gen = torch.Generator().manual_seed(block_size + head_dim)
     pages = -(-length // block_size)
@@ -303,7 +300,7 @@ def test_a_tokens_attention_is_the_same_bits_decoded_prefilled_whole_or_in_chunk
         ends = torch.tensor([7, *(b for _, b in spans)], dtype=torch.int32)
         starts = torch.tensor([0, 7, *(b - a for a, b in spans)], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         tables = table.to(torch.int32).expand(len(spans) + 1, pages)
-        return cpu_attention.paged_attention(rows, key_cache, value_cache, tables, starts, ends, SCALE)[7:]
+        return cpu_attention.paged_attention(rows, key_cache, value_cache, tables, starts, ends, SCALE, kernel)[7:]
 
     whole = attend([(0, length)])
     assert not whole.isnan().any()
@@ -316,13 +313,13 @@ def test_a_tokens_attention_is_the_same_bits_decoded_prefilled_whole_or_in_chunk
 
 
 @pytest.mark.parametrize("backend", [reference, cpu_attention])
-def test_step_attention_stores_then_attends(backend):
+def test_step_attention_stores_then_attends(backend, best_kernel):
     rng = random.Random("bound")
     batch = random_paged_batch(rng, [(20, 3), (7, 1)], 16, 64, 2, 1, torch.float32)
     keep = batch.slot_mapping >= 0  # no padding slot: the CPU backend's direct store
     key, value, slots = batch.key[keep], batch.value[keep], batch.slot_mapping[keep]
     expected = make_batch(random.Random("bound"), [(20, 3), (7, 1)], 16, 64, 2, 1, torch.float32)
-    attend = step_attention(backend, slots, batch.block_tables, batch.query_start_loc, batch.seq_lens)
+    attend = step_attention(backend, slots, batch.block_tables, batch.query_start_loc, batch.seq_lens, best_kernel)
     out = attend(batch.query, key, value, batch.key_cache, batch.value_cache, SCALE)
     assert torch.equal(batch.key_cache.nan_to_num(), expected.key_cache.nan_to_num())
     assert torch.equal(batch.value_cache.nan_to_num(), expected.value_cache.nan_to_num())
@@ -333,11 +330,12 @@ def test_step_attention_stores_then_attends(backend):
 def test_the_c_kernels_are_built_once_per_machine_and_missing_compilers_fall_back_to_torch(tmp_path, monkeypatch,
                                                                                            caplog):
     """A fresh cache directory gets one shared library, and a build removes other sources' libraries unused for a
-    week; a compiler that does not exist gives None (logged), and the CPU backend's plan then uses the torch
-    gathers."""
+    week; a compiler that does not exist gives None (logged), and the worker's CPU paths are then torch's: the
+    CPU backend's plan uses the torch gathers."""
     import os
     import time
 
+    from gpu_worker import cpu_paths
     from kernels import native
 
     stale, recent = tmp_path / "cpu_kernels-0000000000000000.so", tmp_path / "cpu_kernels-1111111111111111.so"
@@ -361,9 +359,12 @@ def test_the_c_kernels_are_built_once_per_machine_and_missing_compilers_fall_bac
         monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
         assert native.load() is None
         assert "building or loading the CPU kernels failed" in caplog.text
+        paths = cpu_paths.choose("auto", torch.float32, "cpu", 64, 16)
+        assert (paths.kernel is None and paths.build == "none" and paths.linears == "mkl"
+                and paths.attention == paths.sampling == "torch" and not paths.batch_invariant)
         batch = random_paged_batch(random.Random("no-cc"), [(5, 1), (30, 1)], 16, 64, 2, 1, torch.float32)
         attend = step_attention(cpu_attention, batch.slot_mapping, batch.block_tables, batch.query_start_loc,
-                                batch.seq_lens)
+                                batch.seq_lens, paths.kernel)
         out = attend(batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, SCALE)
         assert attend.native is None and attend.decodes
         torch.testing.assert_close(out, reference.paged_attention(*batch.attention_args(SCALE)),

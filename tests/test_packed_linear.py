@@ -7,20 +7,23 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_builds import best_kernel, kernel  # noqa: F401 (fixtures)
 from worker_oracle import prompts, single_thread, write_tiny  # noqa: F401 (fixture)
 
 from gpu_worker.packed_linear import (ChunkedLinear, NativeLinear, PackedEmbedding, PackedLinear, available_kinds,
                                       linear_kind, native_bfloat16, pack_linears, twin)
+from kernels import native
 
 native_only = pytest.mark.skipif(not native_bfloat16(), reason="oneDNN has no native bfloat16 on this CPU")
 
 
-def packed(way: str, linear: torch.nn.Linear) -> torch.nn.Module:
-    """`linear` packed the `way` given (`packed_linear.twin`), or the test skipped where this CPU lacks it."""
-    kinds = available_kinds(linear.weight.dtype)
+def packed(way: str, linear: torch.nn.Linear, kernel) -> torch.nn.Module:
+    """`linear` packed the `way` given (`packed_linear.twin`) with `kernel`'s build, or the test skipped where the
+    build or this CPU lacks it."""
+    kinds = available_kinds(kernel, linear.weight.dtype)
     if way not in kinds:
         pytest.skip(f"no {way} here ({', '.join(kinds)})")
-    return twin(way, linear)
+    return twin(way, linear, kernel)
 
 
 @native_only
@@ -36,7 +39,7 @@ def test_a_packed_linear_computes_what_the_linear_does(tokens, bias):
 
 @pytest.mark.parametrize("tokens", [5, 40])  # one part tile (6 or 12 rows of fma, 14 of avx512bf16, 16 of amx)
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "opt", "qwen2"])
-def test_a_bfloat16_model_with_packed_linears_gives_the_same_logits(arch, tokens, tmp_path):
+def test_a_bfloat16_model_with_packed_linears_gives_the_same_logits(arch, tokens, tmp_path, best_kernel):
     from gpu_worker.loader import load_config, load_model
     from gpu_worker.models.layers import ForwardContext
 
@@ -57,10 +60,11 @@ def test_a_bfloat16_model_with_packed_linears_gives_the_same_logits(arch, tokens
             return model.compute_logits(model(ids, positions, ctx))
 
     plain = logits()
-    assert pack_linears(model) > 0
+    way = linear_kind(best_kernel)
+    assert pack_linears(model, way, best_kernel) > 0
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     kind = {"amx": NativeLinear, "avx512bf16": NativeLinear, "fma": NativeLinear, "onednn": PackedLinear,
-            "chunks": ChunkedLinear}[linear_kind()]
+            "chunks": ChunkedLinear}[way]
     assert any(isinstance(m, kind) for m in model.modules())
     # tied (gpt2, opt, qwen2): the embedding reads the packed lm_head, so the vocabulary's weights are held once
     shares = model.tie_word_embeddings and kind is NativeLinear
@@ -94,10 +98,10 @@ def in_float64(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 @pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("tokens,bias", [(1, False), (5, True), (13, False), (64, True)])
-def test_a_bfloat16_linear_gives_the_exact_product_of_the_bfloat16_values_rounded_once(tokens, bias, way):
+def test_a_bfloat16_linear_gives_the_exact_product_of_the_bfloat16_values_rounded_once(tokens, bias, way, kernel):
     torch.manual_seed(tokens)
     linear = linear_772_to_602(bias)
-    module = packed(way, linear)
+    module = packed(way, linear, kernel)
     kept = module.weight if way == "chunks" else module.packed
     assert kept.dtype == torch.bfloat16  # no float32 copy of the weights kept
     for name, x in inputs_772(tokens, torch.bfloat16).items():
@@ -113,12 +117,13 @@ def test_a_bfloat16_linear_gives_the_exact_product_of_the_bfloat16_values_rounde
 
 
 @pytest.mark.parametrize("tokens,bias", [(1, False), (5, True), (13, False), (64, True)])
-def test_a_float32_linear_through_cpu_linear_gives_the_exact_product_within_float32_summation_error(tokens, bias):
+def test_a_float32_linear_through_cpu_linear_gives_the_exact_product_within_float32_summation_error(tokens, bias,
+                                                                                                    kernel):
     """The float32 way of cpu_linear.c (the default where it beats MKL): no bfloat16 anywhere, the inputs read in
     place whatever their row stride."""
     torch.manual_seed(tokens)
     linear = linear_772_to_602(bias, torch.float32)
-    module = packed("fma", linear)
+    module = packed("fma", linear, kernel)
     assert module.packed.dtype == torch.float32
     inputs = inputs_772(tokens, torch.float32)
     inputs["bfloat16"] = inputs["rows strided apart"].to(torch.bfloat16)
@@ -138,12 +143,12 @@ def test_a_float32_linear_through_cpu_linear_gives_the_exact_product_within_floa
 @pytest.mark.parametrize("way,dtype", [("amx", torch.bfloat16), ("avx512bf16", torch.bfloat16),
                                        ("fma", torch.bfloat16), ("fma", torch.float32)])
 @pytest.mark.parametrize("k", [772, 771])  # 771: an odd count, the last pair of inputs padded with a zero
-def test_cpu_linear_gives_a_row_the_same_bits_in_any_batch(way, dtype, k):
+def test_cpu_linear_gives_a_row_the_same_bits_in_any_batch(way, dtype, k, kernel):
     """Each output sums its products in one order whatever the batch: a sequence's logits do not change with the
     sequences beside it, nor when a restarted worker recomputes its prefix in one prefill. 70 rows: whole and part
     tiles (of 6, 12, 14 or 16 rows), and AMX's row blocks beyond the first four."""
     torch.manual_seed(0)
-    module = packed(way, torch.nn.Linear(k, 602, bias=True).to(dtype))
+    module = packed(way, torch.nn.Linear(k, 602, bias=True).to(dtype), kernel)
     x = torch.randn(70, k).to(dtype)
     with torch.inference_mode():
         batch = module(x)
@@ -156,18 +161,18 @@ def test_cpu_linear_gives_a_row_the_same_bits_in_any_batch(way, dtype, k):
 @pytest.mark.parametrize("way,n,k,bias", [(way, n, k, bias and way == "amx") for way in ("amx", "avx512bf16")
                                           for n, k, bias in [(602, 772, True), (512, 256, False), (40, 96, True),
                                                              (40, 95, True)]])
-def test_a_row_alone_in_pairs_of_inputs_gets_torchs_own_bfloat16_linear(way, n, k, bias):
+def test_a_row_alone_in_pairs_of_inputs_gets_torchs_own_bfloat16_linear(way, n, k, bias, kernel):
     """The oracle for the ways that multiply pairs of input columns: torch's bfloat16 linear on this CPU is
     oneDNN's, with the same instructions (AMX tiles, or AVX-512 BF16's vdpbf16ps), and at one row it multiplies and
     adds as cpu_linear.c does (at many rows it splits the sums otherwise). An odd k: the last pair's second input
     is zero. No bias with AVX-512 BF16: there torch rounds the product to bfloat16 before it adds one, where the
     kernel adds it in float32 and rounds once, as torch does with AMX tiles (the exact-product test bounds both).
     Where the CPU has AMX tiles, oneDNN takes them for some shapes: no oracle there for vdpbf16ps."""
-    if way == "avx512bf16" and "amx" in available_kinds():
+    if way == "avx512bf16" and "amx" in native.supported_isas():
         pytest.skip("torch's bfloat16 linear takes AMX tiles on this CPU, not vdpbf16ps alone")
     torch.manual_seed(n)
     linear = torch.nn.Linear(k, n, bias=bias).to(torch.bfloat16)
-    module = packed(way, linear)
+    module = packed(way, linear, kernel)
     x = torch.randn(8, k).to(torch.bfloat16)
     with torch.inference_mode():
         for row in x.split(1):
@@ -175,19 +180,15 @@ def test_a_row_alone_in_pairs_of_inputs_gets_torchs_own_bfloat16_linear(way, n, 
 
 
 @pytest.mark.parametrize("way,dtype", [("amx", torch.bfloat16), ("fma", torch.bfloat16), ("fma", torch.float32)])
-def test_a_tied_embedding_reads_its_rows_from_the_packed_lm_head_bit_for_bit(way, dtype):
+def test_a_tied_embedding_reads_its_rows_from_the_packed_lm_head_bit_for_bit(way, dtype, best_kernel):
     """Both layouts of cpu_linear.c (the pairs' and the fused multiply-adds'; packing needs no AMX, only
     multiplying does), and float32's: every row of the vocabulary, in any shape of ids, and an id out of the
     vocabulary is refused as nn.Embedding refuses it."""
-    from kernels import native
-
-    if native.load() is None:
-        pytest.skip("no C compiler: cpu_linear.c is not built")
     torch.manual_seed(1)
     embedding = torch.nn.Embedding(602, 772).to(dtype)  # a part panel, a part tile row
     lm_head = torch.nn.Linear(772, 602, bias=False).to(dtype)
     lm_head.weight = embedding.weight
-    packed = NativeLinear(lm_head, native.load(), way)
+    packed = NativeLinear(lm_head, best_kernel, way)
     pairs = way == "amx"
     # the layout itself, built with torch: panels of 16 rows, as [k][16], or in pairs as [k / 2][16][2] with k padded
     # to 32 and the rows to pairs of panels (pack and unpack share one index function, so a round trip alone would

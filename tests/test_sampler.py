@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from kernel_builds import kernel  # noqa: F401 (fixture)
 from worker_oracle import single_thread  # noqa: F401 (fixture)
 
 from gpu_worker.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k_top_p, argmax, mask_stop_tokens
@@ -31,8 +32,8 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_greedy_argmax_picks_what_torchs_max_picks_first_maxima_and_nans_included(dtype):
-    """kernels/cpu_argmax.c (where it builds) against torch's own `max(dim=-1)`: vocabularies that are and are not
+def test_greedy_argmax_picks_what_torchs_max_picks_first_maxima_and_nans_included(dtype, kernel):
+    """kernels/cpu_argmax.c (each build) against torch's own `max(dim=-1)`: vocabularies that are and are not
     whole vectors, ties (bfloat16 has many), -inf rows, NaNs, and rows strided apart."""
     torch.manual_seed(0)
     for vocab in (1, 15, 16, 17, 1000, 32003):
@@ -43,9 +44,9 @@ def test_greedy_argmax_picks_what_torchs_max_picks_first_maxima_and_nans_include
         logits[4, vocab // 3] = float("nan")
         logits[4, -1] = float("inf")
         logits[5] = float("inf")
-        assert torch.equal(argmax(logits), logits.max(dim=-1).indices), vocab
+        assert torch.equal(argmax(logits, kernel), logits.max(dim=-1).indices), vocab
         wide = torch.randn(9, 2 * vocab).to(dtype)
-        assert torch.equal(argmax(wide[:, :vocab]), wide[:, :vocab].max(dim=-1).indices), vocab
+        assert torch.equal(argmax(wide[:, :vocab], kernel), wide[:, :vocab].max(dim=-1).indices), vocab
 
 
 def test_greedy_tokens_are_the_same_from_bfloat16_logits_as_from_them_widened():

@@ -10,6 +10,7 @@ import re
 
 import jsonschema
 import pytest
+from kernel_builds import kernel  # noqa: F401 (fixture)
 from plan_builder import PlanBuilder, run_until, step
 from test_gateway_http import HI, KEYS, LiveGateway, answer, check_error
 
@@ -161,8 +162,8 @@ def test_a_constraint_the_worker_could_not_run_is_a_400_naming_it_before_anythin
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("vocab", [512, 1000])  # a whole number of 32-bit words, and not
-def test_the_mask_leaves_exactly_the_allowed_tokens_of_exactly_the_constrained_rows(dtype, vocab):
-    """kernels/cpu_mask.c (and torch's unpacking where the kernels are not built) against each bit read one by one."""
+def test_the_mask_leaves_exactly_the_allowed_tokens_of_exactly_the_constrained_rows(dtype, vocab, kernel):
+    """kernels/cpu_mask.c (each build) and torch's unpacking (no kernels) against each bit read one by one."""
     import torch
 
     from gpu_worker.structured import SequenceGrammar, mask_disallowed
@@ -181,7 +182,7 @@ def test_the_mask_leaves_exactly_the_allowed_tokens_of_exactly_the_constrained_r
         for t in range(vocab):
             if not (int(g.words[t // 32]) >> (t % 32)) & 1:
                 expected[row, t] = float("-inf")
-    for contiguous in (True, False):  # a strided view takes the torch path
+    for contiguous, library in ((True, kernel), (False, kernel), (True, None)):  # a strided view: torch's path
         got = logits.clone() if contiguous else logits.t().contiguous().t()
-        mask_disallowed(got, rows, grammars)
+        mask_disallowed(got, rows, grammars, library)
         assert torch.equal(got, expected)

@@ -49,7 +49,7 @@ def test_builtin_tiny_model_matches_transformers(tiny_model_dir):
     assert worker.runner.backend.__name__ == "kernels.cpu_attention"  # the default on CPU
     # float32 linears through kernels/cpu_linear.c where it beats MKL (AVX2 without AVX-512, AMD's AVX-512), else
     # torch's own
-    native = packed_linear.linear_kind(torch.float32) == "fma"
+    native = worker.runner.paths.linears == "fma"
     assert isinstance(worker.runner.model.lm_head, packed_linear.NativeLinear) == native
     assert generate(worker, batch) == hf_greedy(tiny_model_dir, batch, NEW_TOKENS)
 
