@@ -4,7 +4,7 @@ each constrained sequence's matcher from the same grammar, under the same resour
 
 llguidance rather than xgrammar: it needs no torch, which the gateway does not have, so both sides of the bus compile
 with one library; it compiles lazily (a schema in about a millisecond) and bounds every compile and every mask by the
-fuel limits below; its masks' cost on the real model is in RESULTS.md (benchmarks/structured_outputs.py).
+fuel limits below; its masks' cost on the real model: benchmarks/RESULTS.md ("Structured outputs") and its history.
 """
 from __future__ import annotations
 
