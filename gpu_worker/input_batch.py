@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu_worker.sequence import SequenceState
+from gpu_worker.sequence import Chunk
 
 
 @dataclass(slots=True)
@@ -22,7 +22,7 @@ class StepInputs:
     sampled: list[int]  # index in the step's chunk list of each sampled row's sequence (a drafting one's repeated)
 
 
-def prepare_inputs(chunks: list[tuple[SequenceState, int, int]], block_size: int, device: torch.device,
+def prepare_inputs(chunks: list[Chunk], block_size: int, device: torch.device,
                    drafts: dict[int, list[int]] | None = None) -> StepInputs:
     """`chunks` = (sequence, num_computed_tokens, num_new_tokens) in plan order.
 

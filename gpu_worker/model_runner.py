@@ -12,8 +12,8 @@ from gpu_worker.cache_engine import CacheEngine, CacheShape, kv_cache_blocks
 from gpu_worker.input_batch import prepare_inputs
 from gpu_worker.loader import load_config, load_model, resolve_dtype
 from gpu_worker.models.layers import ForwardContext, PagedAttention
-from gpu_worker.sampler import SampledToken, Sampler, top_logprobs
-from gpu_worker.sequence import SequenceState
+from gpu_worker.sampler import Sampler, StepToken, top_logprobs
+from gpu_worker.sequence import Chunk, SequenceState
 from gpu_worker.speculation import draft_rows, verified
 from kernels import attention_backend, backend_name, step_attention
 from shared.model_dir import max_model_len, read_config
@@ -101,7 +101,7 @@ class ModelRunner:
         for n, b in zip(lengths, blocks):
             seq = SequenceState(-1, "profile", 0, SamplingParams(), [0] * n, n,
                                 list(range(next_block, next_block + b)))
-            chunks.append((seq, 0, n))
+            chunks.append(Chunk(seq, 0, n))
             next_block += b
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -113,7 +113,7 @@ class ModelRunner:
         return peak
 
     @torch.inference_mode()
-    def _forward(self, chunks: list[tuple[SequenceState, int, int]], cache: CacheEngine,
+    def _forward(self, chunks: list[Chunk], cache: CacheEngine,
                  extra_rows: list[int] = (), drafts: dict[int, list[int]] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """The logits of the rows sampled from, and of `extra_rows` (indices in the step's tokens), in the model's
@@ -130,8 +130,8 @@ class ModelRunner:
         return logits[:len(inputs.logits_indices)], logits[len(inputs.logits_indices):]
 
     @torch.inference_mode()
-    def execute(self, chunks: list[tuple[SequenceState, int, int]], eos_token_ids: list[int],
-                drafts: dict[int, list[int]] | None = None) -> list[tuple[SequenceState, SampledToken]]:
+    def execute(self, chunks: list[Chunk], eos_token_ids: list[int],
+                drafts: dict[int, list[int]] | None = None) -> list[StepToken]:
         """One forward pass over `chunks` (sequence, num_computed, num_new); sample each chunk that ends its
         sequence, and append the prompt logprobs of the prompt positions a chunk covers to its sequence's (those
         that ask for them). A sequence with a draft (seq id → proposed tokens, after its last token) gets its
@@ -148,13 +148,13 @@ class ModelRunner:
         if not sampled:
             return []
         if not drafts:
-            return list(zip(sampled, self.sampler(logits, sampled, eos_token_ids)))
+            return [StepToken(seq, t) for seq, t in zip(sampled, self.sampler(logits, sampled, eos_token_ids))]
         rows_of = [row for seq in sampled for row in draft_rows(seq, drafts.get(seq.seq_id, []))]
         tokens = self.sampler(logits, rows_of, eos_token_ids)
         return verified(sampled, drafts, tokens)
 
 
-def _prompt_positions(chunks: list[tuple[SequenceState, int, int]], drafts: dict[int, list[int]]
+def _prompt_positions(chunks: list[Chunk], drafts: dict[int, list[int]]
                       ) -> tuple[list[tuple[SequenceState, int]], list[int]]:
     """(sequence, position) of each prompt position whose next token's logprob is asked for, and its row among the
     step's tokens: the logits at position p give the logprob of prompt token p + 1."""

@@ -19,11 +19,9 @@ a row's outputs then the same bits whatever the batch.
   worker keeps freed memory in its heap, so the chunks cost no page faults).
 
 and `linear_kind(kernel, torch.float32)` for float32:
-- "fma": cpu_linear.c's fused multiply-adds on float32 weights, where they were measured faster than MKL: AVX2
-  without AVX-512, 0.45-0.65x MKL's time at 8-64 rows (a decode step), 0.9-1.05x at 2,048; AMD's AVX-512 (16
-  lanes, two panels a tile; MKL there reports no AVX-512 path), 0.3-0.5x at 8-2,048 rows, 0.9-1.1x at one;
-  Intel's AVX-512 (16 lanes against MKL's 16), 0.4-0.9x at 8-64 rows, 1.1-1.3x at 512-2,048.
-  MKL's float32 GEMM at a few rows runs at a third of its speed per row at one.
+- "fma": cpu_linear.c's fused multiply-adds on float32 weights, where they were measured faster than MKL (AVX2, and
+  AVX-512 on AMD and Intel: benchmarks/results/cpu-efficiency-log-2026-12.md): MKL's float32 GEMM slows down per
+  row at a decode step's few rows.
 - "mkl": torch's own linear, left as it is.
 
 Where cpu_linear.c packs a tied lm_head, the token embedding reads its rows from that packed weight

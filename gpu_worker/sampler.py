@@ -21,6 +21,7 @@ import ctypes
 import hashlib
 import struct
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -35,6 +36,12 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+class StepToken(NamedTuple):
+    """A token a step gives a sequence (a drafting sequence may get several)."""
+    seq: SequenceState
+    token: SampledToken
 
 
 def seed_for(seed: int, sample_index: int, output_index: int) -> int:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from gpu_worker.structured import SequenceGrammar
 from shared.protocol import NewSequence, PromptLogprob
@@ -53,3 +53,10 @@ class SequenceState:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+
+class Chunk(NamedTuple):
+    """A sequence's part of a step: `new` tokens after the `computed` its cache already holds."""
+    seq: SequenceState
+    computed: int
+    new: int

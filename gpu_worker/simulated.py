@@ -21,8 +21,8 @@ import time
 
 from gpu_worker.cache_engine import kv_cache_blocks
 from gpu_worker.cost_model import Profile, get_profile
-from gpu_worker.sampler import SampledToken
-from gpu_worker.sequence import SequenceState
+from gpu_worker.sampler import SampledToken, StepToken
+from gpu_worker.sequence import Chunk, SequenceState
 from gpu_worker.speculation import verified
 from gpu_worker.worker import Worker
 from shared import model_dir as model_dirs
@@ -83,8 +83,8 @@ class SimulatedRunner:
         # hashing the whole sequence again. Kept for the sequences of the last step only.
         self._hashes: dict[int, tuple[str, int, int]] = {}
 
-    def execute(self, chunks: list[tuple[SequenceState, int, int]], eos_token_ids: list[int],
-                drafts: dict[int, list[int]]) -> list[tuple[SequenceState, SampledToken]]:
+    def execute(self, chunks: list[Chunk], eos_token_ids: list[int],
+                drafts: dict[int, list[int]]) -> list[StepToken]:
         started = self._clock()
         sampled = [seq for seq, computed, new in chunks if computed + new == len(seq.token_ids)]
         self.last_step_s = self.profile.step_time(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from gpu_worker.sampler import SampledToken
+from gpu_worker.sampler import SampledToken, StepToken
 from gpu_worker.sequence import SequenceState
 
 
@@ -33,7 +33,7 @@ def accepted(draft: list[int], sampled: list[int]) -> int:
 
 
 def verified(seqs: list[SequenceState], drafts: dict[int, list[int]],
-             tokens: list[SampledToken]) -> list[tuple[SequenceState, SampledToken]]:
+             tokens: list[SampledToken]) -> list[StepToken]:
     """Each sequence's step tokens from its rows' samples (in `seqs` order, a drafting one's rows in turn): the
     draft's accepted tokens and the sample after them."""
     out, row = [], 0
@@ -42,5 +42,5 @@ def verified(seqs: list[SequenceState], drafts: dict[int, list[int]],
         rows = tokens[row:row + len(draft) + 1]
         row += len(rows)
         n = accepted(draft, [t.token_id for t in rows])
-        out.extend((seq, t) for t in rows[:n + 1])
+        out.extend(StepToken(seq, t) for t in rows[:n + 1])
     return out

@@ -17,8 +17,8 @@ import logging
 from typing import Protocol
 
 from gpu_worker.proposers import proposer_for
-from gpu_worker.sampler import SampledToken
-from gpu_worker.sequence import SequenceState
+from gpu_worker.sampler import SampledToken, StepToken
+from gpu_worker.sequence import Chunk, SequenceState
 from gpu_worker.structured import Grammars, SequenceGrammar
 from shared import model_dir as model_dirs
 from shared.protocol import (
@@ -45,8 +45,8 @@ class Runner(Protocol):
     """The device side the worker core drives: the model runner, or any stand-in with the same semantics."""
     cache: BlockOps
 
-    def execute(self, chunks: list[tuple[SequenceState, int, int]], eos_token_ids: list[int],
-                drafts: dict[int, list[int]]) -> list[tuple[SequenceState, SampledToken]]:
+    def execute(self, chunks: list[Chunk], eos_token_ids: list[int],
+                drafts: dict[int, list[int]]) -> list[StepToken]:
         """Sample each chunk that ends its sequence; a sequence with a draft (seq id → proposed tokens) gets the
         draft's accepted tokens and the one after them (gpu_worker/speculation.py), in order."""
 
@@ -136,7 +136,7 @@ class Worker:
                 seq.block_table = list(item.block_table)
             else:
                 seq.block_table.extend(item.new_block_ids)
-            chunks.append((seq, item.num_computed_tokens, item.num_new_tokens))
+            chunks.append(Chunk(seq, item.num_computed_tokens, item.num_new_tokens))
             if item.num_draft_tokens and self._drafts_for(seq) and item.num_computed_tokens + item.num_new_tokens == \
                     len(seq.token_ids):
                 draft = self._draft(seq)[:item.num_draft_tokens]

@@ -649,9 +649,7 @@ int bf16_linear(const uint16_t *x, int64_t x_row, const uint16_t *packed, const 
 }
 
 /* Whether f32_linear was measured faster than torch's float32 linear (MKL) here, for the ~100M Llama's shapes and
-   a whole decode step (RESULTS.md): on AVX2 with FMA and no AVX-512 (8 lanes against MKL's 8), on AMD's AVX-512
-   (16 against MKL's AVX2 path there), and on Intel's AVX-512 (16 against 16: 0.4-0.9x MKL's time at 8-64 rows, a
-   decode step; 1.1-1.3x at a prefill's 512-2,048). */
+   a whole decode step: with AVX2 and FMA, or AVX-512 (benchmarks/results/cpu-efficiency-log-2026-12.md). */
 int f32_linear_preferred(void) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     return 1;

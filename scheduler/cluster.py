@@ -174,26 +174,31 @@ class Cluster:
         return stalled
 
     # ---- requests -------------------------------------------------------------------------
+    def knows(self, rid: str) -> bool:
+        """Whether `rid` is a request here, or one that ended here and whose end `pop_finished` has not handed out."""
+        return rid in self.requests or any(done.rid == rid for done in self.finished)
+
     def add_request(self, req: Request, outputs: dict[int, list[int]] | None = None,
-                    reasons: dict[int, str] | None = None) -> None:
+                    reasons: dict[int, str] | None = None) -> bool:
         """A request, with the tokens its samples already have and why those that ended did (a resumed one: the
-        queue limits turn away new requests only)."""
-        if req.rid in self.requests:
-            return  # a redelivery of a request already here
+        queue limits turn away new requests only). False, and nothing done, for an id `knows` (a redelivery, or a
+        second request under a live id)."""
+        if self.knows(req.rid):
+            return False
         outputs, reasons = outputs or {}, reasons or {}
         early = self.early_aborts.pop(req.rid, None)
         if early is not None:
             self._collect([FinishedRequest(req.rid, _abort_reason(early[0]))])
-            return
+            return True
         error = self._invalid(req, outputs)
         if error is not None:
             self._collect([FinishedRequest(req.rid, "error", error, REJECTED)])
-            return
+            return True
         refusal = self.ledger.refusal(req) if not outputs and not reasons else None
         if refusal is not None:
             self._collect([FinishedRequest(req.rid, "error", refusal.message, OVERLOADED,
                                            retry_after=refusal.retry_after)])
-            return
+            return True
         params = req.params
         rank = (req.priority if self.settings.scheduling_policy == "priority" else 0, next(self._order))
         if params.beam_width:  # its samples are the live beams: one to begin with (a restart begins again)
@@ -207,14 +212,16 @@ class Cluster:
             rs.reasons[i] = finish_reason(req.params, rs.outputs[i], len(rs.tokens(i)), sys.maxsize, ())
         if rs.done:
             self._collect([FinishedRequest(req.rid, rs.reasons[-1] or "stop")])
-            return
+            return True
         self.requests[req.rid] = rs
         self.ledger.arrived(req)
         self._place(rs)
+        return True
 
     def resume(self, req: Request, entries: list[TokenOutput | Assignment]) -> bool:
         """Take up a request another scheduler left unfinished, from the entries of its stream (read after a
-        fence: see shared/out_stream.py). False when the stream shows it ended: nothing is left to do."""
+        fence: see shared/out_stream.py). False when the stream shows it ended (nothing is left to do), or when the id
+        is one `knows`."""
         fold = OutputFold(req.params.n, req.params.max_tokens)
         for entry in entries:
             try:
@@ -223,9 +230,8 @@ class Cluster:
                 continue
         if fold.ended or all(r is not None for r in fold.finish_reasons):
             return False
-        self.add_request(req, dict(enumerate(fold.tokens)),
-                         {i: r for i, r in enumerate(fold.finish_reasons) if r is not None})
-        return True
+        return self.add_request(req, dict(enumerate(fold.tokens)),
+                                {i: r for i, r in enumerate(fold.finish_reasons) if r is not None})
 
     @staticmethod
     def _invalid(req: Request, outputs: dict[int, list[int]]) -> str | None:

@@ -127,7 +127,7 @@ class SchedulerService:
 
     async def _resume(self, entry_id: bytes, fields: dict) -> None:
         req = decode_entry(self.keys.requests, entry_id, fields, Request)
-        if req is None or req.rid in self.queued:  # malformed, or queued twice (a gateway's write redone)
+        if req is None or self.cluster.knows(req.rid):  # malformed, or queued twice (a gateway's write redone)
             await self._drop(entry_id)
             return
         key = self.keys.out(req.rid)
@@ -187,12 +187,11 @@ class SchedulerService:
                 req = decode_entry(self.keys.requests, entry_id, fields, Request)
                 known = self.queued.get(req.rid) if req is not None else None
                 if known is not None and known.entry_id == entry_id:
-                    continue
-                if req is None or known is not None:
+                    continue  # this consumer's pending entry, read again after a reconnect
+                if req is None or not self.cluster.add_request(req):
                     await self._drop(entry_id)  # malformed, or a second request with a live rid
                     continue
                 self.queued[req.rid] = Queued(entry_id, req.retention)
-                self.cluster.add_request(req)
         if reply:
             await self.pump()
 

@@ -522,9 +522,19 @@ def test_stats():
 
 def test_duplicate_delivery_of_a_request_is_ignored():
     sched, _ = make()
-    sched.add_request(request("r"))
-    sched.add_request(request("r", prompt_len=3))
+    assert sched.add_request(request("r"))
+    assert not sched.add_request(request("r", prompt_len=3))
     assert len(sched.workers["w0"].waiting) == 1 and sched.requests["r"].prompt == request("r").prompt_token_ids
+
+
+def test_a_request_ended_on_arrival_is_known_until_its_end_is_handed_out():
+    """A second request under the id of one refused on arrival, before the service wrote its end, is not taken: it
+    would end twice."""
+    sched, _ = make(max_model_len=64)
+    assert sched.add_request(request("long", prompt_len=80))  # past max_model_len: ends at once, with an error
+    assert sched.knows("long") and not sched.add_request(request("long"))
+    (done,) = sched.pop_finished()
+    assert done.rid == "long" and done.finish_reason == "error" and not sched.knows("long")
 
 
 # ---- the contiguous-reservation baseline (benchmarks/contiguous.py) ----------------------------

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from plan_builder import PlanBuilder
 
-from gpu_worker.sampler import SampledToken
-from gpu_worker.sequence import SequenceState
+from gpu_worker.sampler import SampledToken, StepToken
+from gpu_worker.sequence import Chunk
 from gpu_worker.worker import Worker
 from shared.protocol import WorkerRegistration
 from shared.sampling import SamplingParams
@@ -40,10 +40,10 @@ class RecordingRunner:
         if pairs:
             self.calls.append((kind, pairs))
 
-    def execute(self, chunks: list[tuple[SequenceState, int, int]], eos_token_ids: list[int],
-                drafts: dict[int, list[int]]) -> list[tuple[SequenceState, SampledToken]]:
+    def execute(self, chunks: list[Chunk], eos_token_ids: list[int],
+                drafts: dict[int, list[int]]) -> list[StepToken]:
         self.calls.append(("forward", [(s.seq_id, c, n, list(s.block_table)) for s, c, n in chunks]))
-        return [(s, SampledToken(EOS if len(s.token_ids) >= self.eos_at else 100 + len(s.token_ids)))
+        return [StepToken(s, SampledToken(EOS if len(s.token_ids) >= self.eos_at else 100 + len(s.token_ids)))
                 for s, c, n in chunks if c + n == len(s.token_ids)]
 
 
