@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gpu_worker.cost_model import PROFILES_PATH, get_profile
+from gpu_worker.cost_model import PROFILES_PATH, ChunkSize, get_profile
 from scheduler.kv_cache_manager import cdiv
 from shared.sampling import SamplingParams
 from shared.settings import Settings
@@ -42,15 +42,15 @@ PREFILL = [(0, n) for n in (16, 32, 64, 128, 256, 512)] + [(128, 64), (256, 64)]
 MIXED = [(4, 64, 64), (8, 128, 128), (16, 64, 256), (16, 128, 32)]  # (decode batch, context, a prefill chunk)
 
 
-def steps() -> list[list[tuple[int, int]]]:
-    """Each step as its chunks (context, new)."""
-    grid = [[(c, 1)] * b for b, c in DECODE]
-    grid += [[chunk] for chunk in PREFILL]
-    grid += [[(c, 1)] * b + [(0, n)] for b, c, n in MIXED]
+def steps() -> list[list[ChunkSize]]:
+    """Each step as its chunks."""
+    grid = [[ChunkSize(c, 1)] * b for b, c in DECODE]
+    grid += [[ChunkSize(*chunk)] for chunk in PREFILL]
+    grid += [[ChunkSize(c, 1)] * b + [ChunkSize(0, n)] for b, c, n in MIXED]
     return grid
 
 
-def measure(model_dir: Path, grid: list[list[tuple[int, int]]], reps: int) -> list[float]:
+def measure(model_dir: Path, grid: list[list[ChunkSize]], reps: int) -> list[float]:
     """CPU seconds of ModelRunner.execute per step of the grid (this thread's: waiting for a core while other
     processes run does not count), the median of `reps` passes over the grid, each in a new order. On a quiet
     machine the median is the least; on a busy one it includes what sharing the core's caches and execution
@@ -81,7 +81,7 @@ def measure(model_dir: Path, grid: list[list[tuple[int, int]]], reps: int) -> li
     return [statistics.median(s) for s in samples]
 
 
-def fit(grid: list[list[tuple[int, int]]], measured: list[float]) -> dict[str, float]:
+def fit(grid: list[list[ChunkSize]], measured: list[float]) -> dict[str, float]:
     """Grid search over peak FLOPs, bandwidth and attention's share; the two overheads by weighted least squares
     (weights 1/measured: relative error) at each grid point; the best fit by its relative squared error."""
     model = get_profile("cpu-tiny").model

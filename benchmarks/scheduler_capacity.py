@@ -35,7 +35,7 @@ import redis
 from benchmarks.bus_client import BusClient
 from benchmarks.proc_cpu import cpu_seconds
 from benchmarks.up_process import UpProcess
-from gpu_worker.cost_model import get_profile
+from gpu_worker.cost_model import ChunkSize, get_profile
 from pagedserve.local_redis import REDIS
 from pagedserve.ports import free_port
 from pagedserve.tiny_model import write_tiny_model
@@ -63,7 +63,7 @@ class Measured:
 
 
 def step_seconds(context: int) -> float:
-    return get_profile(PROFILE).step_time([(context, 1)] * SEQS, SEQS)
+    return get_profile(PROFILE).step_time([ChunkSize(context, 1)] * SEQS, SEQS)
 
 
 def snapshot(client: BusClient, server: redis.Redis, pids: dict[str, int]) -> tuple[SchedulerStats, dict, dict]:

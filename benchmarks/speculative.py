@@ -30,7 +30,7 @@ import aiohttp
 
 from benchmarks.copy_workload import copy_requests
 from benchmarks.versus_vllm import System, start, stop, wait_ready
-from gpu_worker.cost_model import get_profile
+from gpu_worker.cost_model import ChunkSize, get_profile
 from pagedserve.bench import Endpoint, RunConfig, run_point
 from pagedserve.workloads import SampleRequest, WorkloadSpec, build_requests
 from shared.model_dir import resolve_model_dir
@@ -140,8 +140,8 @@ def gpu_view(rows: list[dict]) -> list[dict]:
         if row["mean_acceptance_length"] is None:
             continue
         c = row["concurrency"]
-        plain = profile.step_time([(context, 1)] * c, c)
-        drafting = profile.step_time([(context, 1 + K)] * c, c * (1 + K))
+        plain = profile.step_time([ChunkSize(context, 1)] * c, c)
+        drafting = profile.step_time([ChunkSize(context, 1 + K)] * c, c * (1 + K))
         view.append({"system": row["system"], "workload": row["workload"], "concurrency": c,
                      "step_ms_plain": 1000 * plain, "step_ms_drafting": 1000 * drafting,
                      "tpot_ratio": row["mean_acceptance_length"] * plain / drafting})

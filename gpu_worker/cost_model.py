@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 PROFILES_PATH = Path(__file__).with_name("profiles.json")
 # Bytes of float32 logits per sampled row, twice (the logits and their softmax), in the activation estimate.
@@ -27,6 +27,18 @@ LOGIT_BYTES = 2 * 4
 
 class ProfileError(ValueError):
     """An unknown profile name, or a profiles file that does not hold what a profile needs."""
+
+
+class ChunkSize(NamedTuple):
+    """A sequence's part of a step, as the cost model sees it."""
+    context: int  # tokens its cache already holds
+    new: int  # tokens the step computes
+
+
+class StepWork(NamedTuple):
+    dense_flops: float
+    attention_flops: float
+    kv_bytes: float  # read and written
 
 
 @dataclass(slots=True, frozen=True)
@@ -83,15 +95,14 @@ class ModelShape:
         """The weights a step reads whole: the layers' and the lm_head (embedding rows are gathered per token)."""
         return (self.num_layers * self.layer_params + self.lm_head_params) * self.dtype_bytes
 
-    def step_work(self, chunks: list[tuple[int, int]], num_sampled: int) -> tuple[float, float, float]:
-        """(dense FLOPs, attention FLOPs, KV bytes read and written) of one step: `chunks` = (context tokens
-        already computed, new tokens) per sequence, `num_sampled` of which produce logits."""
+    def step_work(self, chunks: list[ChunkSize], num_sampled: int) -> StepWork:
+        """One step's work: `chunks` per sequence, `num_sampled` of which produce logits."""
         tokens = sum(new for _, new in chunks)
         dense_flops = 2 * (self.num_layers * self.layer_params * tokens + self.lm_head_params * num_sampled)
         attention_flops = 4 * self.num_layers * self.num_heads * self.head_dim * sum(
             new * (context + (new + 1) / 2) for context, new in chunks)
         kv_bytes = self.kv_bytes_per_token * sum(context + 2 * new for context, new in chunks)
-        return dense_flops, attention_flops, kv_bytes
+        return StepWork(dense_flops, attention_flops, kv_bytes)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -130,10 +141,10 @@ class Profile:
         usable = self.device.memory_bytes * gpu_memory_utilization
         return int(usable - self.model.weight_bytes - self.activation_bytes(max_num_batched_tokens, max_num_seqs))
 
-    def step_time(self, chunks: list[tuple[int, int]], num_sampled: int, swapped_blocks: int = 0,
+    def step_time(self, chunks: list[ChunkSize], num_sampled: int, swapped_blocks: int = 0,
                   copied_blocks: int = 0, block_size: int = 16) -> float:
-        """Seconds for one step: `chunks` = (context tokens already computed, new tokens) per sequence,
-        `num_sampled` of which produce logits; plus the plan's block moves."""
+        """Seconds for one step: `chunks` per sequence, `num_sampled` of which produce logits; plus the plan's
+        block moves."""
         m, d, e = self.model, self.device, self.efficiency
         flops_rate, bytes_rate = d.peak_flops, d.memory_bandwidth * e.bandwidth
         tokens = sum(new for _, new in chunks)

@@ -20,7 +20,7 @@ import math
 import time
 
 from gpu_worker.cache_engine import kv_cache_blocks
-from gpu_worker.cost_model import Profile, get_profile
+from gpu_worker.cost_model import ChunkSize, Profile, get_profile
 from gpu_worker.sampler import SampledToken, StepToken
 from gpu_worker.sequence import Chunk, SequenceState
 from gpu_worker.speculation import verified
@@ -88,7 +88,7 @@ class SimulatedRunner:
         started = self._clock()
         sampled = [seq for seq, computed, new in chunks if computed + new == len(seq.token_ids)]
         self.last_step_s = self.profile.step_time(
-            [(computed, new + len(drafts.get(seq.seq_id, ()))) for seq, computed, new in chunks],
+            [ChunkSize(computed, new + len(drafts.get(seq.seq_id, ()))) for seq, computed, new in chunks],
             len(sampled) + sum(map(len, drafts.values())), self.cache.swapped, self.cache.copied, self.block_size)
         self.cache.swapped = self.cache.copied = 0
         eos = set(eos_token_ids)

@@ -11,7 +11,7 @@ import pytest
 from benchmarks.contiguous import reserving_scheduler
 from benchmarks.discrete_event import Simulation
 from pagedserve.workloads import SampleRequest
-from gpu_worker.cost_model import get_profile
+from gpu_worker.cost_model import ChunkSize, get_profile
 from shared.settings import Settings
 
 PROFILE = get_profile("a100-40gb-opt-13b")
@@ -20,8 +20,8 @@ PROFILE = get_profile("a100-40gb-opt-13b")
 def test_a_lone_request_takes_the_cost_model_time_of_its_steps():
     simulation = Simulation(Settings(max_model_len=2048), PROFILE, 1)
     (timing,) = simulation.run([SampleRequest(list(range(100)), 5)], [3.0])
-    prefill = PROFILE.step_time([(0, 100)], 1)
-    decodes = [PROFILE.step_time([(100 + i, 1)], 1) for i in range(4)]
+    prefill = PROFILE.step_time([ChunkSize(0, 100)], 1)
+    decodes = [PROFILE.step_time([ChunkSize(100 + i, 1)], 1) for i in range(4)]
     assert timing.token_times[0] == pytest.approx(3.0 + prefill)
     assert timing.end == pytest.approx(3.0 + prefill + sum(decodes)), "it ends with its last token"
     assert simulation.stats()["steps"] == 5

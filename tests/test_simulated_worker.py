@@ -12,7 +12,8 @@ import dataclasses
 import pytest
 from plan_builder import PlanBuilder
 
-from gpu_worker.cost_model import Device, Efficiency, ModelShape, Profile, ProfileError, get_profile, load_profiles
+from gpu_worker.cost_model import (ChunkSize, Device, Efficiency, ModelShape, Profile, ProfileError, get_profile,
+                                   load_profiles)
 from gpu_worker.simulated import simulated_worker
 from shared.sampling import SamplingParams
 from shared.settings import Settings
@@ -35,23 +36,23 @@ TOY = Profile(
 def test_a_single_decode_token_is_bound_by_its_flops():
     # dense: 2*(2*576*1 + 80*1) = 2464 FLOPs → 4.928 s; weights 2464 B → 2.464 s: FLOPs bound.
     # attention: 4*2*2*4 * 1*(9 + 1) = 640 FLOPs → 2.56 s; K/V 32*(9 + 2) = 352 B → 0.352 s: FLOPs bound.
-    assert TOY.step_time([(9, 1)], 1) == pytest.approx(0.1 + 0.01 + 4.928 + 2.56)
+    assert TOY.step_time([ChunkSize(9, 1)], 1) == pytest.approx(0.1 + 0.01 + 4.928 + 2.56)
 
 
 def test_long_contexts_make_attention_bound_by_kv_reads():
     # dense: 2*(1152*3 + 80*3) = 7392 FLOPs → 14.784 s (weights 2.464 s).
     # attention: 64 * 3*(1000 + 1) = 192192 FLOPs → 768.768 s; K/V 32*3*(1000 + 2) = 96192 B → 96.192 s.
-    assert TOY.step_time([(1000, 1)] * 3, 3) == pytest.approx(0.1 + 0.03 + 14.784 + 768.768)
+    assert TOY.step_time([ChunkSize(1000, 1)] * 3, 3) == pytest.approx(0.1 + 0.03 + 14.784 + 768.768)
     # With 16x the FLOPs (as a GPU has), both phases wait on memory: dense 7392 / 8000 = 0.924 s < 2.464 s of
     # weights; attention 192192 / 4000 = 48.048 s < 96.192 s of K/V.
     gpu = dataclasses.replace(TOY, device=dataclasses.replace(TOY.device, peak_flops=16000.0))
-    assert gpu.step_time([(1000, 1)] * 3, 3) == pytest.approx(0.1 + 0.03 + 2.464 + 96.192)
+    assert gpu.step_time([ChunkSize(1000, 1)] * 3, 3) == pytest.approx(0.1 + 0.03 + 2.464 + 96.192)
 
 
 def test_a_prefill_chunk_counts_its_causal_attention_and_only_sampled_rows_reach_the_lm_head():
     # A chunk of 4 new tokens after 6 computed ones, not sampled: dense 2*(1152*4) = 9216 FLOPs → 18.432 s;
     # attention 64 * 4*(6 + 5/2) = 2176 FLOPs → 8.704 s (K/V 32*(6 + 8) = 448 B → 0.448 s).
-    assert TOY.step_time([(6, 4)], 0) == pytest.approx(0.1 + 0.01 + 18.432 + 8.704)
+    assert TOY.step_time([ChunkSize(6, 4)], 0) == pytest.approx(0.1 + 0.01 + 18.432 + 8.704)
 
 
 def test_block_moves_cost_their_bytes_and_an_empty_step_costs_nothing_else():
@@ -155,7 +156,7 @@ def test_a_refused_plan_does_not_take_down_the_plan_after_it_and_block_moves_tak
     assert "copies pair (0, 3) is out of range" in worker.execute(refused).error
     result = worker.execute(ahead)
     assert result.error is None and [out.rid for out in result.outputs] == [b.rid]
-    assert worker.runner.last_step_s == pytest.approx(profile.step_time([(0, 12)], 1, copied_blocks=1))
+    assert worker.runner.last_step_s == pytest.approx(profile.step_time([ChunkSize(0, 12)], 1, copied_blocks=1))
 
 
 @pytest.mark.slow

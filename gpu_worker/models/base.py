@@ -1,7 +1,7 @@
 """What every architecture shares: checkpoint-name mapping, tied embeddings, logits, config checks."""
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -9,6 +9,13 @@ from torch import nn
 
 class UnsupportedModelError(ValueError):
     """The checkpoint's architecture or config is one pagedserve cannot serve correctly; the message says why."""
+
+
+class MappedWeight(NamedTuple):
+    """A checkpoint tensor's place in the model."""
+    target: str  # the parameter's name
+    shard: int | None  # its shard of a merged parameter (q|k|v, gate|up), or None for the whole
+    tensor: torch.Tensor
 
 
 class CausalLM(nn.Module):
@@ -40,8 +47,8 @@ class CausalLM(nn.Module):
         """The checkpoint name in this model's naming (variants of a family prefix names differently)."""
         return name
 
-    def map_weight(self, name: str, tensor: torch.Tensor) -> tuple[str, int | None, torch.Tensor] | None:
-        """Where a checkpoint tensor goes: (parameter name, shard index or None, tensor), or None to skip it."""
+    def map_weight(self, name: str, tensor: torch.Tensor) -> MappedWeight | None:
+        """Where a checkpoint tensor goes, or None to skip it."""
         name = self.checkpoint_name(name)
         if name.endswith(self.ignored_suffixes) or (self.tie_word_embeddings and name == "lm_head.weight"):
             return None
@@ -49,8 +56,8 @@ class CausalLM(nn.Module):
         for i, part in enumerate(parts):
             if part in self.packed_modules:
                 merged, shard = self.packed_modules[part]
-                return ".".join([*parts[:i], merged, *parts[i + 1:]]), shard, tensor
-        return name, None, tensor
+                return MappedWeight(".".join([*parts[:i], merged, *parts[i + 1:]]), shard, tensor)
+        return MappedWeight(name, None, tensor)
 
     def tie_weights(self) -> None:
         if self.tie_word_embeddings:

@@ -6,7 +6,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from gpu_worker.models.base import CausalLM, UnsupportedModelError
+from gpu_worker.models.base import CausalLM, MappedWeight, UnsupportedModelError
 from gpu_worker.models.layers import MLP, ForwardContext, PagedAttention
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -78,7 +78,7 @@ class GPT2LMHeadModel(CausalLM):
         # the original OpenAI-converted checkpoints name the body without the `transformer.` prefix
         return name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name
 
-    def map_weight(self, name: str, tensor: torch.Tensor) -> tuple[str, int | None, torch.Tensor] | None:
+    def map_weight(self, name: str, tensor: torch.Tensor) -> MappedWeight | None:
         mapped = super().map_weight(name, tensor)
         if mapped is None:
             return None
@@ -86,7 +86,7 @@ class GPT2LMHeadModel(CausalLM):
         if target.endswith(_CONV1D):
             tensor = tensor.t()  # Conv1D stores [in, out]; nn.Linear wants [out, in]
         target = target.replace(".mlp.c_fc.", ".mlp.fc1.").replace(".mlp.c_proj.", ".mlp.fc2.")
-        return target, shard, tensor
+        return MappedWeight(target, shard, tensor)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.transformer(input_ids, positions, ctx)

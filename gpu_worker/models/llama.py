@@ -4,7 +4,7 @@ They differ only in attention biases and per-head Q/K RMSNorm, so one decoder se
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -81,6 +81,12 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
 
+class AttentionOptions(NamedTuple):
+    qkv_bias: bool  # bias on the q, k and v projections
+    o_bias: bool  # bias on the output projection
+    qk_norm: bool  # a per-head RMSNorm of queries and keys
+
+
 class LlamaForCausalLM(CausalLM):
     packed_modules: ClassVar[dict[str, tuple[str, int]]] = {
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -89,15 +95,14 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
-        qkv_bias, o_bias, qk_norm = self.attention_options(config)
-        self.model = LlamaModel(config, qkv_bias, o_bias, qk_norm)
+        options = self.attention_options(config)
+        self.model = LlamaModel(config, options.qkv_bias, options.o_bias, options.qk_norm)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @staticmethod
-    def attention_options(config: Any) -> tuple[bool, bool, bool]:
-        """(bias on q/k/v, bias on o, per-head Q/K RMSNorm)."""
+    def attention_options(config: Any) -> AttentionOptions:
         bias = bool(getattr(config, "attention_bias", False))
-        return bias, bias, False
+        return AttentionOptions(bias, bias, False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
@@ -109,12 +114,12 @@ class MistralForCausalLM(LlamaForCausalLM):
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     @staticmethod
-    def attention_options(config: Any) -> tuple[bool, bool, bool]:
-        return True, False, False
+    def attention_options(config: Any) -> AttentionOptions:
+        return AttentionOptions(qkv_bias=True, o_bias=False, qk_norm=False)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     @staticmethod
-    def attention_options(config: Any) -> tuple[bool, bool, bool]:
+    def attention_options(config: Any) -> AttentionOptions:
         bias = bool(getattr(config, "attention_bias", False))
-        return bias, bias, True
+        return AttentionOptions(bias, bias, qk_norm=True)
