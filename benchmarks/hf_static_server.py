@@ -27,13 +27,14 @@ import signal
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-from shared.model_dir import ModelDirError, eos_token_ids, max_model_len, read_config, resolve_model_dir
+from benchmarks.baselines import Completion, PendingRequest, StaticBatchGenerator, take_static_batch
+from shared.model_dir import ModelDirError, resolve_model_dir
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -44,101 +45,6 @@ class BadRequest(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
-
-
-@dataclass(slots=True)
-class Completion:
-    token_ids: list[int]
-    finish_reason: str  # "length" | "stop"
-
-
-@dataclass(slots=True)
-class PendingRequest:
-    prompt_ids: list[int]
-    max_tokens: int
-    ignore_eos: bool
-    done: asyncio.Future = field(repr=False)
-
-
-class StaticBatchGenerator:
-    """transformers' model and `generate` over one padded batch; no I/O."""
-
-    def __init__(self, model_dir: Path, device: str, dtype: str) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        config = read_config(model_dir)
-        self.torch = torch
-        self.max_model_len = max_model_len(config)
-        self.vocab_size = int(config.get("text_config", config)["vocab_size"])
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
-        self.device = device
-        self.eos_ids = set(eos_token_ids(model_dir))
-        pad = self.tokenizer.pad_token_id
-        self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)
-
-    def encode(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt, add_special_tokens=True)
-
-    def generate(self, prompts: list[list[int]], max_tokens: list[int], ignore_eos: bool) -> list[Completion]:
-        """Greedy-decode the batch to its longest max_tokens; each request keeps its own share."""
-        torch = self.torch
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):  # left padding: every prompt ends where generation starts
-            input_ids[row, width - len(prompt):] = torch.tensor(prompt)
-            mask[row, width - len(prompt):] = 1
-        steps = max(max_tokens)
-        with torch.inference_mode():
-            out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
-                                      max_new_tokens=steps, min_new_tokens=steps if ignore_eos else 0,
-                                      do_sample=False, pad_token_id=self.pad_id)
-        completions = []
-        for row, limit in enumerate(max_tokens):
-            tokens = out[row, width:width + limit].tolist()
-            stop = None if ignore_eos else next((i for i, t in enumerate(tokens) if t in self.eos_ids), None)
-            if stop is None:
-                completions.append(Completion(tokens, "length"))
-            else:
-                completions.append(Completion(tokens[:stop + 1], "stop"))
-        return completions
-
-    def text_deltas(self, token_ids: list[int]) -> list[str]:
-        """One text piece per token; a token that ends inside a multi-byte character yields "" and its text
-        comes with a later token (the usual incremental detokenization); the last token flushes the rest."""
-        deltas, prefix, read = [], 0, 0
-        last = len(token_ids) - 1
-        for i in range(len(token_ids)):
-            before = self.tokenizer.decode(token_ids[prefix:read], skip_special_tokens=True)
-            after = self.tokenizer.decode(token_ids[prefix:i + 1], skip_special_tokens=True)
-            if len(after) > len(before) and (i == last or not after.endswith("\ufffd")):
-                deltas.append(after[len(before):])
-                prefix, read = read, i + 1
-            else:
-                deltas.append("")
-        return deltas
-
-
-def take_static_batch(waiting: list[PendingRequest], max_batch_size: int,
-                      kv_budget_tokens: int) -> list[PendingRequest]:
-    """The head of the queue and the next waiting requests of its ignore_eos kind, first come first served,
-    while the padded batch fits: at most max_batch_size rows and, if kv_budget_tokens > 0, rows * (longest
-    prompt + longest max_tokens) <= kv_budget_tokens. The head always goes (alone if it must)."""
-    head = waiting[0]
-    batch: list[PendingRequest] = []
-    width = steps = 0
-    for r in waiting:
-        if r.ignore_eos != head.ignore_eos:
-            continue
-        w, s = max(width, len(r.prompt_ids)), max(steps, r.max_tokens)
-        over_budget = kv_budget_tokens and (len(batch) + 1) * (w + s) > kv_budget_tokens
-        if len(batch) == max_batch_size or (batch and over_budget):
-            break
-        batch.append(r)
-        width, steps = w, s
-    return batch
 
 
 @dataclass(slots=True)
@@ -247,7 +153,8 @@ class StaticBatchServer:
             req = parse_request(body, self.gen, self.model_name)
         except BadRequest as e:
             return _error(400 if e.param != "model" else 404, str(e), e.param)
-        pending = PendingRequest(req.prompt_ids, req.max_tokens, req.ignore_eos, asyncio.get_running_loop().create_future())
+        pending = PendingRequest(req.prompt_ids, req.max_tokens, req.ignore_eos,
+                                 asyncio.get_running_loop().create_future())
         self.waiting.append(pending)
         self.wakeup.set()
         try:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from benchmarks.token_worker import TokenWorker
 from pagedserve.workloads import WorkloadSpec, arrival_times, build_requests
-from benchmarks.contiguous import reserving_scheduler
+from benchmarks.baselines import reserving_scheduler
 from scheduler.cluster import Cluster
 from shared.protocol import Request, WorkerRegistration
 from shared.sampling import SamplingParams

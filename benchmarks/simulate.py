@@ -4,7 +4,7 @@
 
 ShareGPT-like and Alpaca-like traces (pagedserve/workloads.py: the paper's mean lengths, Poisson arrivals)
 are served at rising request rates by pagedserve and by the paper's three Orca baselines, which reserve KV
-for a sequence's whole possible length at admission (benchmarks/contiguous.py: max_model_len, the output
+for a sequence's whole possible length at admission (benchmarks/baselines.py: max_model_len, the output
 rounded up to a power of two, the exact output). Every system is the real scheduler core over simulated
 workers with the same cost model (gpu_worker/cost_model.py), driven on a virtual clock
 (benchmarks/discrete_event.py). Writes one JSON report per system and dataset (pagedserve/bench.py's
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import plot
-from benchmarks.contiguous import reserving_scheduler
+from benchmarks.baselines import reserving_scheduler
 from benchmarks.discrete_event import Simulation, point
 from pagedserve.bench import write_report
 from pagedserve.workloads import WorkloadSpec, arrival_times, build_requests

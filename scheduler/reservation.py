@@ -1,6 +1,6 @@
 """What a per-worker scheduler reserves for a request beyond the blocks its tokens fill: `OnDemand` (the product:
 nothing, blocks are allocated as tokens need them). Benchmarks pass contiguous-reservation baselines in its place
-(benchmarks/contiguous.py).
+(benchmarks/baselines.py).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The discrete-event driver of the simulated benchmarks (benchmarks/discrete_event.py) and the Orca-style
-reservations it runs (benchmarks/contiguous.py).
+reservations it runs (benchmarks/baselines.py).
 
 Oracles: the cost model's step times summed by hand along a request's steps, and the number of reservations
 that fit in a worker's cache.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.contiguous import reserving_scheduler
+from benchmarks.baselines import reserving_scheduler
 from benchmarks.discrete_event import Simulation
 from pagedserve.workloads import SampleRequest
 from gpu_worker.cost_model import ChunkSize, get_profile

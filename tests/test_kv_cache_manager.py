@@ -128,7 +128,7 @@ def test_fork_on_a_block_boundary_needs_no_copy():
 
 
 def test_a_table_can_grow_ahead_of_its_tokens():
-    """What the contiguous-reservation baseline does (benchmarks/contiguous.py): blocks no token fills yet."""
+    """What the contiguous-reservation baseline does (benchmarks/baselines.py): blocks no token fills yet."""
     kv = manager()
     slots = grants_exactly(kv, Growth([Opening(1, [], [], 5)], [], [Write(1, 0, 40)]), 5)
     assert len(slots.new_block_ids[1]) == 5

@@ -537,10 +537,10 @@ def test_a_request_ended_on_arrival_is_known_until_its_end_is_handed_out():
     assert done.rid == "long" and done.finish_reason == "error" and not sched.knows("long")
 
 
-# ---- the contiguous-reservation baseline (benchmarks/contiguous.py) ----------------------------
+# ---- the contiguous-reservation baseline (benchmarks/baselines.py) ----------------------------
 @pytest.mark.parametrize("reserving, batch", [(False, 8), (True, 3)])
 def test_reserving_max_model_len_shrinks_the_batch(reserving, batch):
-    from benchmarks.contiguous import reserving_scheduler
+    from benchmarks.baselines import reserving_scheduler
 
     # 24 blocks, 8 per 64 tokens
     sched, sims = make(num_blocks=25, max_model_len=64,

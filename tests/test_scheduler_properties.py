@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from sched_sim import SimWorker
 from scheduler.kv_cache_manager import hash_full_blocks
 from scheduler.request import Status
-from benchmarks.contiguous import reserving_scheduler
+from benchmarks.baselines import reserving_scheduler
 from scheduler.cluster import Cluster
 from shared.protocol import Request, WorkerRegistration
 from shared.sampling import SamplingParams

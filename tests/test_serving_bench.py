@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT))  # benchmarks/ is importable from a source checkou
 from benchmarks import compare, plot  # noqa: E402
 from pagedserve import bench as serving  # noqa: E402
 from benchmarks.compare import Server, ServerError, free_port  # noqa: E402
-from benchmarks.hf_static_server import PendingRequest, take_static_batch  # noqa: E402
+from benchmarks.baselines import PendingRequest, take_static_batch  # noqa: E402
 from pagedserve.workloads import ALPACA, SHAREGPT, WorkloadSpec, arrival_times, build_requests  # noqa: E402
 
 
