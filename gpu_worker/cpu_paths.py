@@ -16,10 +16,9 @@ import torch
 from torch import nn
 
 from gpu_worker import native_mlp, native_norm, native_rotary, packed_linear
-from kernels import native
+from kernels import cpu_attention, native
 
-NATIVE, TORCH = "native", "torch"
-NO_KERNELS = "torch"  # `cpu_kernels`' value for none of the C kernels
+NATIVE, TORCH = "native", "torch"  # TORCH is also `cpu_kernels`' value for none of the C kernels
 EPILOGUE = "epilogue"  # the activation computed in the gate|up linear's epilogue
 
 
@@ -60,15 +59,14 @@ def choose(cpu_kernels: str, dtype: torch.dtype, attention_backend: str, head_di
     """The paths for a model of `dtype` whose attention backend is `attention_backend` ("cpu", "torch" or
     "triton"), with `cpu_kernels` "auto", an instruction set of kernels/native.py's ISAS, or "torch". ValueError
     for an instruction set this CPU cannot run."""
-    kernel = None if cpu_kernels == NO_KERNELS else native.load(cpu_kernels)
+    kernel = None if cpu_kernels == TORCH else native.load(cpu_kernels)
     build = native.isa_named(cpu_kernels).name if kernel is not None else "none"
     bfloat16 = dtype == torch.bfloat16 and kernel is not None
     linears = packed_linear.linear_kind(kernel, dtype) if dtype in (torch.bfloat16, torch.float32) else TORCH
     if attention_backend != "cpu":
         attention = attention_backend
     else:
-        attention = NATIVE if (kernel is not None and dtype in native.DTYPE_CODES and head_dim % 8 == 0
-                               and block_size % 8 == 0) else TORCH
+        attention = NATIVE if cpu_attention.serves(kernel, dtype, head_dim, block_size) else TORCH
     if not bfloat16:
         activation = TORCH
     elif linears in packed_linear.GATED_KINDS:

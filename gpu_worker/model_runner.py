@@ -56,6 +56,7 @@ class ModelRunner:
                                           self.block_size)
             self.paths.apply(self.model)
             log.info(self.paths.describe())
+        self.kernel = self.paths.kernel if self.paths else None  # the C kernels' library, for attention and sampling
         if settings.require_batch_invariance and not self.batch_invariant:
             raise RuntimeError(
                 "require_batch_invariance is set, and this worker is not batch invariant "
@@ -65,7 +66,7 @@ class ModelRunner:
         num_blocks = self._num_blocks(free_before, total)
         num_swap_blocks = settings.swap_space_bytes // self.cache_shape.block_bytes
         self.cache = CacheEngine(self.cache_shape, num_blocks, num_swap_blocks, self.device, self.backend)
-        self.sampler = Sampler(self.device, kernel=self.paths.kernel if self.paths else None)
+        self.sampler = Sampler(self.device, kernel=self.kernel)
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB), swap: %d blocks", num_blocks, self.block_size,
                  num_blocks * self.cache_shape.block_bytes / 2**20, num_swap_blocks)
 
@@ -120,7 +121,7 @@ class ModelRunner:
         dtype (a greedy step need not widen them)."""
         inputs = prepare_inputs(chunks, self.block_size, self.device, drafts)
         attend = step_attention(self.backend, inputs.slot_mapping, inputs.block_tables, inputs.query_start_loc,
-                                inputs.seq_lens, self.paths.kernel if self.paths else None)
+                                inputs.seq_lens, self.kernel)
         ctx = ForwardContext(cache.kv_caches, attend)
         hidden = self.model(inputs.input_ids, inputs.positions, ctx)
         rows = inputs.logits_indices

@@ -111,8 +111,8 @@ class StepAttention:
         starts = self.query_start_loc.tolist()
         lens = self.seq_lens.tolist()
         tables = self.block_tables
-        if (device.type == "cpu" and query_dtype == cache_dtype in native.DTYPE_CODES and block_size % 8 == 0
-                and head_dim % 8 == 0 and self.kernel is not None):
+        if device.type == "cpu" and query_dtype == cache_dtype and serves(self.kernel, cache_dtype, head_dim,
+                                                                          block_size):
             tasks = [(starts[s] + i, s, seq_len - q_len + i + 1, min(_NATIVE_SPAN, q_len - i))
                      for s, seq_len in enumerate(lens) if (q_len := starts[s + 1] - starts[s]) > 0
                      for i in range(0, q_len, _NATIVE_SPAN)]
@@ -208,6 +208,12 @@ def _chunk(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
                                        attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale,
                                        enable_gqa=q.shape[0] != kv_heads)
     return o[0].transpose(0, 1).to(query.dtype)
+
+
+def serves(kernel: ctypes.CDLL | None, cache_dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
+    """Whether the C kernel of `kernel` (kernels/native.py's library) attends over such a cache: float32 or
+    bfloat16, head and block sizes multiples of 8."""
+    return kernel is not None and cache_dtype in native.DTYPE_CODES and head_dim % 8 == 0 and block_size % 8 == 0
 
 
 def step_attention(slot_mapping: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor,

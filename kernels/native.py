@@ -6,7 +6,8 @@ Their ABI is kernels/cpu_kernels.h: every source includes it (the compiler refus
 `load` types each entry point from its prototype there, so a signature is written once. On x86-64 the sources are
 built for each of `ISAS` (from the x86-64-v2 baseline up to AMX), each level adding -m flags (and tuned for this
 CPU, which chooses no instruction), and `load` takes the highest whose features /proc/cpuinfo lists: every `#if`
-path compiles on any x86-64 machine (and in CI), and runs where the CPU has it. Elsewhere one build for the machine (-march=native).
+path compiles on any x86-64 machine (and in CI), and runs where the CPU has it. Elsewhere one build for the
+machine (-march=native).
 
 Plain C with no torch headers, so a build takes seconds; the shared library is kept under
 `$PAGEDSERVE_CACHE_DIR` (default `~/.cache/pagedserve`), named by a hash of the sources, the flags and the
