@@ -25,7 +25,7 @@ from gpu_worker.simulated import SimulatedRunner, simulated_worker
 from gpu_worker.worker import Worker
 from scheduler.cluster import Cluster
 from scheduler.worker_scheduler import WorkerSchedulerFactory
-from shared.protocol import Request, StepPlan, StepResult
+from shared.protocol import Request, StepOutcome, StepPlan
 from shared.sampling import SamplingParams
 from shared.settings import Settings
 
@@ -103,9 +103,9 @@ class Simulation:
                 self.cluster.add_request(Request(rid, MODEL_ID, list(req.prompt_token_ids), params, self.now))
                 touched = {wid for _, wid in self.cluster.pop_placements()}
             else:
-                worker_id, result = payload
+                worker_id, outcome = payload
                 self.busy.discard(worker_id)
-                self._apply(result)
+                self._apply(outcome)
                 touched = {worker_id} | {wid for _, wid in self.cluster.pop_placements()}
             for done in self.cluster.pop_finished():
                 timing = self.timings[done.rid]
@@ -118,11 +118,10 @@ class Simulation:
     def _push(self, at: float, kind: str, payload: Any) -> None:
         heapq.heappush(self._events, (at, next(self._order), kind, payload))
 
-    def _apply(self, result: StepResult) -> None:
-        self.cluster.apply_result(result)
-        for out in result.outputs:
-            if out.sample_index >= 0:
-                self.timings[out.rid].token_times.append(self.now)
+    def _apply(self, outcome: StepOutcome) -> None:
+        self.cluster.apply_result(outcome.result)
+        for out in outcome.outputs:
+            self.timings[out.rid].token_times.append(self.now)
 
     def _pump(self, worker_id: str) -> None:
         """Send the worker every plan its scheduler gives now; start the oldest if the worker is idle."""
@@ -133,14 +132,14 @@ class Simulation:
             return
         plan = queued.pop(0)
         worker = self.workers[worker_id]
-        result = worker.execute(plan)
+        outcome = worker.execute(plan)
         runner: SimulatedRunner = worker.runner
         load = self.load[worker_id]
         load.steps += 1
         load.sequences += len(plan.scheduled)
         load.most_sequences = max(load.most_sequences, len(plan.scheduled))
         self.busy.add(worker_id)
-        self._push(self.now + runner.last_step_s, "step", (worker_id, result))
+        self._push(self.now + runner.last_step_s, "step", (worker_id, outcome))
 
     def stats(self) -> dict[str, Any]:
         """What the scheduler saw: steps, batch sizes, preemptions, prefix-cache lookups and hits."""

@@ -110,7 +110,7 @@ def run_paged(jobs: list[Job], cfg: Config, *, caching: bool = False, reserving:
             sched.add_request(Request(job.rid, "bench", job.prompt, params, job.arrival))
         plan = sched.schedule("w0")
         if plan is not None:
-            sched.apply_result(worker.execute(plan))
+            sched.apply_result(worker.execute(plan).result)
         if ws.waiting or ws.preempted:
             bs = cfg.block_size
             seqs = [(rs.rid, s) for rs in ws.running for s in rs.seqs]

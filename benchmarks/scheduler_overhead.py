@@ -50,7 +50,7 @@ def measure(num_seqs: int, caching: bool, steps: int, prompt_len: int, prefix_le
         sched.add_request(Request(f"r{i}", "bench", prompt, params, 0.0))
     while True:  # warm up: prefill everything
         plan = sched.schedule("w0")
-        sched.apply_result(worker.execute(plan))
+        sched.apply_result(worker.execute(plan).result)
         if len(plan.scheduled) == num_seqs and all(s.num_new_tokens == 1 for s in plan.scheduled):
             break
     samples = []
@@ -58,7 +58,7 @@ def measure(num_seqs: int, caching: bool, steps: int, prompt_len: int, prefix_le
         t0 = time.perf_counter()
         plan = sched.schedule("w0")
         t1 = time.perf_counter()
-        result = worker.execute(plan)
+        result = worker.execute(plan).result
         t2 = time.perf_counter()
         sched.apply_result(result)
         t3 = time.perf_counter()
@@ -108,7 +108,7 @@ def measure_snapshots(num_blocks: int, steps: int, seed: int) -> dict:
         if plan is not None and monitor is not None:
             monitor.planned(cluster, plan)
         t1 = time.perf_counter()
-        result = worker.execute(plan) if plan is not None else None
+        result = worker.execute(plan).result if plan is not None else None
         t2 = time.perf_counter()
         if result is not None:
             cluster.apply_result(result)

@@ -8,7 +8,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-from shared.protocol import BeamCandidates, StepPlan, StepResult, TokenOutput, WorkerRegistration
+from shared.protocol import BeamCandidates, StepOutcome, StepPlan, StepResult, TokenOutput, WorkerRegistration
 from shared.sampling import SamplingParams
 
 CANDIDATES = 64  # tokens a beam's made-up distribution covers
@@ -33,7 +33,7 @@ class TokenWorker:
         self.pick = pick
         self.seqs: dict[int, TokenSeq] = {}
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan) -> StepOutcome:
         for seq_id in plan.freed:
             self.seqs.pop(seq_id, None)
         for new in plan.new_sequences:
@@ -43,7 +43,7 @@ class TokenWorker:
                 prompt = parent.tokens[:len(parent.tokens) - parent.num_outputs]
             self.seqs[new.seq_id] = TokenSeq(new.rid, new.sample_index, new.params, prompt + new.output_token_ids,
                                              len(new.output_token_ids))
-        outputs, beams = [], []
+        outputs, seq_ids, beams = [], [], []
         for sched in plan.scheduled:
             seq = self.seqs[sched.seq_id]
             seq.tokens += sched.append_token_ids
@@ -55,9 +55,12 @@ class TokenWorker:
                 continue
             token = self.pick(seq.rid, seq.sample_index, seq.num_outputs)
             outputs.append(TokenOutput(seq.rid, seq.sample_index, seq.num_outputs, token))
+            seq_ids.append(sched.seq_id)
             seq.tokens.append(token)
             seq.num_outputs += 1
-        return StepResult(plan.worker_id, plan.epoch, plan.step_id, outputs, beams=beams)
+        result = StepResult(plan.worker_id, plan.epoch, plan.step_id, seq_ids, [out.token_id for out in outputs],
+                            beams=beams)
+        return StepOutcome(result, outputs)
 
     def candidates(self, seq: TokenSeq) -> list[tuple[int, float]]:
         eos = 0 if seq.params.ignore_eos else len(self.reg.eos_token_ids)

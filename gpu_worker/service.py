@@ -26,7 +26,7 @@ import redis
 from shared.bus import BLOCK_MS, RECONNECT_ERRORS, Backoff, connect, decode_entry, retry
 from shared.keys import CONTROL_MAXLEN, FIELD, RESULTS_MAXLEN, Keys
 from shared.log import setup_logging
-from shared.protocol import StepPlan, StepResult, WorkerGone, encode
+from shared.protocol import StepOutcome, StepPlan, StepResult, WorkerGone, encode
 from shared.settings import Settings
 
 log = logging.getLogger("gpu_worker")
@@ -130,11 +130,11 @@ class WorkerService:
                     continue
                 if not entries:
                     reader.ask()
-                result = self._execute(plan)
-                result.waited, waited = waited, 0.0
+                outcome = self._execute(plan)
+                outcome.result.waited, waited = waited, 0.0
                 if sent is not None:
                     self._confirm(sent)
-                sent = self._send(result)
+                sent = self._send(outcome)
             if sent is not None:
                 self._confirm(sent)
         finally:
@@ -151,18 +151,17 @@ class WorkerService:
         self.epoch, self.last_step = plan.epoch, plan.step_id
         return True
 
-    def _execute(self, plan: StepPlan) -> StepResult:
+    def _execute(self, plan: StepPlan) -> StepOutcome:
         try:
             return self.worker.execute(plan)
         except Exception as e:  # the scheduler fails this step's requests; the worker keeps serving
             log.exception("step %d failed", plan.step_id)
-            return StepResult(self.worker_id, plan.epoch, plan.step_id, error=f"{type(e).__name__}: {e}")
+            return StepOutcome(StepResult(self.worker_id, plan.epoch, plan.step_id, error=f"{type(e).__name__}: {e}"))
 
-    def _send(self, result: StepResult) -> _Sent:
+    def _send(self, outcome: StepOutcome) -> _Sent:
         """Send a step's tokens and result; `_confirm` reads the reply."""
         keep_ms = int((self.settings.request_timeout + self.settings.out_stream_ttl) * 1000)
-        # a request it could not run (sample index -1) gets no token: the scheduler ends it on its stream
-        tokens = [out for out in result.outputs if out.sample_index >= 0]
+        result, tokens = outcome.result, outcome.outputs
         keys = [self.keys.out(out.rid) for out in tokens] + [self.keys.results, self.keys.heartbeat(self.worker_id)]
         args = [FIELD, RESULTS_MAXLEN, self._ttl_ms, keep_ms, encode(result)]
         for out in tokens:  # abandoned streams expire

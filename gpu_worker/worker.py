@@ -4,7 +4,7 @@ It keeps each sequence's tokens, parameters and block table between steps and ap
 order the protocol fixes (shared/protocol.py, StepPlan): new epoch → free the freed → swap out →
 swap in → copies → register new sequences → one forward pass → sample. A sequence the plan cannot run
 (token ids outside the vocabulary, an unknown id, a table that does not cover its tokens) is refused
-alone: its request gets a failure entry in the result and the rest of the step runs. A plan that is
+alone: its request is named in the result's refusals and the rest of the step runs. A plan that is
 unusable as a whole (another worker's, block moves out of range) is refused before anything changes,
 with a StepResult carrying the error. A sequence that stopped here (its last token out, or its step
 failed, or it was refused) is skipped from then on: with async scheduling the plan after it was made
@@ -22,7 +22,8 @@ from gpu_worker.sequence import Chunk, SequenceState
 from gpu_worker.structured import Grammars, SequenceGrammar
 from shared import model_dir as model_dirs
 from shared.protocol import (
-    BeamCandidates, DraftReport, ScheduledSequence, StepPlan, StepResult, TokenOutput, WorkerRegistration,
+    BeamCandidates, DraftReport, RefusedRequest, ScheduledSequence, StepOutcome, StepPlan, StepResult, TokenOutput,
+    WorkerRegistration,
 )
 from shared.sampling import SamplingParams, finish_reason
 from shared.settings import Settings
@@ -95,7 +96,7 @@ class Worker:
     def registration(self) -> WorkerRegistration:
         return self._registration
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan) -> StepOutcome:
         reg = self._registration
         try:
             failed = self._check(plan)
@@ -104,7 +105,7 @@ class Worker:
             self._enter_epoch(plan.epoch)
             self._free(plan.freed)
             self.stopped.update(self._step_seq_ids(plan))
-            return StepResult(reg.worker_id, plan.epoch, plan.step_id, error=f"bad step plan: {e}")
+            return StepOutcome(StepResult(reg.worker_id, plan.epoch, plan.step_id, error=f"bad step plan: {e}"))
         self._enter_epoch(plan.epoch)
         self._free(plan.freed)
         cache = self.runner.cache
@@ -156,7 +157,8 @@ class Worker:
                   if seq.grammar is not None and seq.grammar.error is not None}
         failed |= broken
         self.stopped.update(broken)
-        outputs = self._refusals(plan, failed)
+        outputs: list[TokenOutput] = []
+        seq_ids: list[int] = []
         beams = []
         emitted: dict[int, SequenceState] = {}
         counts: dict[int, int] = {}
@@ -168,6 +170,7 @@ class Worker:
                 continue
             output_index = seq.num_output_tokens
             seq.token_ids.append(sampled.token_id)
+            seq_ids.append(seq.seq_id)
             emitted[seq.seq_id] = seq
             counts[seq.seq_id] = counts.get(seq.seq_id, 0) + 1
             reason = finish_reason(seq.params, seq.output_token_ids, len(seq.token_ids), reg.max_model_len,
@@ -182,7 +185,9 @@ class Worker:
                                        num_cached_tokens=seq.num_cached_tokens if first else None,
                                        prompt_logprobs=seq.prompt_logprobs if first else None))
         reports = self._draft_reports(emitted, drafts, counts) if self.proposer is not None else []
-        return StepResult(reg.worker_id, plan.epoch, plan.step_id, outputs, beams=beams, drafts=reports)
+        result = StepResult(reg.worker_id, plan.epoch, plan.step_id, seq_ids, [out.token_id for out in outputs],
+                            self._refusals(plan, failed), beams=beams, drafts=reports)
+        return StepOutcome(result, outputs)
 
     def _drafts_for(self, seq: SequenceState) -> bool:
         """Whether the sequence may speculate: a proposer, and neither a beam nor constrained (its proposals would
@@ -217,9 +222,9 @@ class Worker:
         candidates = params.beam_candidates(self.eos_token_ids) + len(params.stop_tokens(self.eos_token_ids))
         return dataclasses.replace(params, temperature=0.0, logprobs=candidates)
 
-    def _refusals(self, plan: StepPlan, failed: dict[int, str]) -> list[TokenOutput]:
-        """One failure entry per request with a sequence the plan cannot run (the scheduler fails that request;
-        the rest of the step runs)."""
+    def _refusals(self, plan: StepPlan, failed: dict[int, str]) -> list[RefusedRequest]:
+        """Each request with a sequence the plan cannot run, once (the scheduler fails that request; the rest of the
+        step runs)."""
         rids = {m.seq_id: m.rid for m in plan.new_sequences} | {sid: s.rid for sid, s in self.seqs.items()}
         refused: dict[str, str] = {}
         for seq_id, reason in failed.items():
@@ -228,9 +233,7 @@ class Worker:
         for rid, reason in refused.items():
             log.error("step %d of epoch %d: refused the sequences of request %s: %s", plan.step_id, plan.epoch,
                       rid, reason)
-        return [TokenOutput(rid, -1, 0, -1, finish_reason="error", error=f"bad step plan: {reason}",
-                            worker_id=self._registration.worker_id, epoch=plan.epoch)
-                for rid, reason in refused.items()]
+        return [RefusedRequest(rid, f"bad step plan: {reason}") for rid, reason in refused.items()]
 
     def _enter_epoch(self, epoch: int) -> None:
         """A new scheduler: what the old one had sent means nothing now."""

@@ -78,9 +78,9 @@ class Engine:
             if not queued:
                 continue
             ran = True
-            result = worker.execute(queued.pop(0))
-            self.cluster.apply_result(result)
-            outputs.extend(result.outputs)
+            outcome = worker.execute(queued.pop(0))
+            self.cluster.apply_result(outcome.result)
+            outputs.extend(outcome.outputs)
         for out in outputs:
             completion = self.completions[out.rid]
             if out.num_cached_tokens is not None:  # the prompt's results come with a first token

@@ -218,6 +218,21 @@ class KVCacheManager:
                 new_block_ids[seq_id] = []
         return Slots(new_block_ids, copies, rewritten, swapped)
 
+    def grow_by_one(self, seq_id: int, num_computed: int) -> list[int] | None:
+        """`allocate_slots` for the one write of most steps, a token after the `num_computed` a sequence's KV covers:
+        the block ids its table grew by (none when the token fits the block it writes). None, with nothing changed,
+        when the write takes more: a copy of a shared block, a table that does not reach it, or a free block none is
+        left of."""
+        table = self.seqs[seq_id].table
+        i = num_computed // self.block_size
+        if i < len(table):
+            return [] if table[i].ref_cnt == 1 else None
+        if i > len(table) or not self.pool.num_free:
+            return None
+        (block,) = self.pool.allocate(1)
+        table.append(block)
+        return [block.block_id]
+
     def _blocks_needed(self, growth: Growth) -> Needed:
         """Free blocks that granting `growth` takes at most: free cached hits leaving the queue, swapped
         blocks coming back, growth, and one copy per writer of a shared block while other holders remain; with

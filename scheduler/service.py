@@ -278,6 +278,8 @@ class SchedulerService:
         for reg in changes.joined:
             log.info("worker %s joined: %d blocks of %d tokens, %sbatch invariant", reg.worker_id, reg.num_blocks,
                      reg.block_size, "" if reg.batch_invariant else "not ")
+        if changes.joined:
+            gc.freeze()  # a worker's block pool lives as long as it does: full collections need not scan its blocks
         for worker_id in changes.gone:
             log.warning("worker %s is gone (heartbeat expired); resuming its requests elsewhere", worker_id)
         for worker_id, why in changes.refused:

@@ -3,7 +3,8 @@ step's result in.
 
 One step shares a token budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`) between:
 1. running requests in rank order (arrival; under the priority policy, priority first): each sequence's next
-   chunk (a decode token, or a piece of a long prompt: chunked prefill). When the cache has no room for a chunk,
+   chunk (a decode token, or a piece of a long prompt: chunked prefill; a lone sequence's decode token, most chunks of
+   most steps, takes a fast lane that plans it as the general path would). When the cache has no room for a chunk,
    the last-ranked running request is preempted, all its sequences together: by recompute (its blocks are freed;
    it resumes from prompt + output) or by swap (its blocks move to the worker's swap area);
 2. then, unless the step preempted, preempted and waiting requests in the order the policy gives
@@ -179,8 +180,8 @@ class WorkerScheduler:
         for rs in list(self.running):
             if step.full or step.blocked:
                 break
-            if rs.status is Status.RUNNING:  # (not preempted by a request before it in this step)
-                self._schedule_running(rs, step)
+            if rs.status is Status.RUNNING and not self._decode_alone(rs, step):  # (it may have been preempted by
+                self._schedule_running(rs, step)  # a request before it in this step)
         # After a preemption, admitting would only preempt again, unless nothing is left running.
         if not step.blocked and (not step.preempted or not self.running):
             self._admit_all(step)
@@ -220,6 +221,33 @@ class WorkerScheduler:
             step.preempted = True
             if victim is rs:
                 return
+
+    def _decode_alone(self, rs: RequestState, step: StepBuilder) -> bool:
+        """What most running requests take in most steps, planned without the general path's objects: one sampled
+        sequence's next token, written into the block it writes already or one new block, with nothing else to send
+        (no draft, no table resent, no tokens appended). False, with nothing changed, for anything else, which
+        `_schedule_running` plans; both plan it alike (tests/test_scheduler_core.py compares them)."""
+        if len(rs.seqs) != 1 or rs.group.fork_at is not None or not rs.group.samples_tokens or self.drafting.max_draft:
+            return False
+        seq = rs.seqs[0]
+        if not seq.sent or seq.resend_table or seq.appended:
+            return False
+        start = seq.num_computed
+        prompt_len = len(rs.req.prompt_token_ids)
+        if self.pacing.target(rs, seq, prompt_len + len(rs.outputs[seq.sample_index])) != start + 1:
+            return False  # nothing to compute before its token in flight comes back, or a prompt's chunk
+        new_block_ids = self.kv.grow_by_one(seq.seq_id, start)
+        if new_block_ids is None:
+            return False
+        step.plan.scheduled.append(ScheduledSequence(seq.seq_id, start, 1, new_block_ids))
+        seq.num_computed = start + 1
+        self.pacing.scheduled(seq, True)
+        step.chunks.append(Scheduled(rs, seq, start, 1, True))
+        step.budget -= 1
+        step.seqs_left -= 1
+        prefill = int(start < prompt_len)
+        self.ledger.charge(rs.req.tenant, prefill, 1 - prefill)
+        return True
 
     def _chunks(self, rs: RequestState, step: StepBuilder) -> list[Chunk]:
         """The request's next chunks, as its group takes them, within what is left of the budget and the cap; a
@@ -438,7 +466,7 @@ class WorkerScheduler:
                 if rs.status is Status.RUNNING:
                     self.finish(rs, "error", f"worker {self.worker_id} failed the step: {result.error}", FAILED)
             return
-        emitting: dict[tuple[str, int], Scheduled] = {}
+        emitting: dict[int, Scheduled] = {}  # seq id → its chunk that reached the end
         reporting: dict[int, Scheduled] = {}  # beams: seq id → its chunk that reached the end
         for c in chunks:
             if c.rs.status is not Status.RUNNING or c.seq not in c.rs.seqs:
@@ -446,27 +474,25 @@ class WorkerScheduler:
             self.kv.commit(c.seq.seq_id, c.rs.prompt, c.rs.outputs[c.seq.sample_index], c.start + c.num_new,
                            c.rs.root)
             if c.emits_token:
-                emitting[(c.rs.rid, c.seq.sample_index)] = c
+                emitting[c.seq.seq_id] = c
             elif c.rs.group.reports(c.rs, c.seq, c.start + c.num_new):
                 reporting[c.seq.seq_id] = c
+        for refused in result.refused:  # the worker could not run this request's sequences
+            rs = next((c.rs for c in chunks if c.rs.rid == refused.rid), None)
+            if rs is not None and rs.status is Status.RUNNING:
+                self.finish(rs, "error", refused.error, FAILED)
         received: dict[int, int] = {}  # seq id → tokens it emitted in this step
-        for out in result.outputs:
-            if out.sample_index < 0:  # the worker could not run this request's sequences
-                rs = next((c.rs for c in chunks if c.rs.rid == out.rid), None)
-                if rs is not None and rs.status is Status.RUNNING:
-                    self.finish(rs, "error", out.error or "the worker failed the request", FAILED)
+        for seq_id, token_id in zip(result.seq_ids, result.token_ids):
+            c = emitting.get(seq_id)
+            if c is None or c.rs.status is not Status.RUNNING or c.seq not in c.rs.seqs:
                 continue
-            c = emitting.get((out.rid, out.sample_index))
-            if (c is None or c.rs.status is not Status.RUNNING or c.seq not in c.rs.seqs
-                    or out.output_index != len(c.rs.outputs[out.sample_index])):
-                continue
-            n = received.get(c.seq.seq_id, 0)
+            n = received.get(seq_id, 0)
             if n > c.num_draft:  # more tokens than its draft allows: not this step's
                 continue
-            received[c.seq.seq_id] = n + 1
+            received[seq_id] = n + 1
             if not n:
                 self.pacing.token_arrived(c.seq)
-            c.rs.group.token(self, c.rs, c.seq, out.token_id)
+            c.rs.group.token(self, c.rs, c.seq, token_id)
         if self.drafting.max_draft:
             self._drafts_checked(chunks, result, received)
         for beams in result.beams:

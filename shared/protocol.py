@@ -1,13 +1,15 @@
 """The bus protocol: message types, the msgpack codec, and strict validation on decode.
 
 Every payload is a msgpack map `{"v": PROTOCOL_VERSION, "type": <name>, ...fields}`; nested
-messages are maps without the envelope. Decoding checks the version, the type, each field's type
+messages are maps without the envelope, and a list of messages is a map of columns, one list per field (a step's
+hundreds of sequences cost a few packed lists, not a map each). Decoding checks the version, the type, each field's type
 (from the dataclass annotations) and the size; anything wrong raises ProtocolError and nothing else.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import types
 import typing
 from dataclasses import dataclass, field
@@ -18,7 +20,7 @@ import msgpack
 from shared.sampling import SamplingParams
 from shared.tenants import Tenant
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 # Why the scheduler ended a request with an error, so the gateway can answer with the right status.
 REJECTED = "rejected"  # the request can never be served as sent (e.g. longer than any worker's cache): 400
 UNAVAILABLE = "unavailable"  # no worker took it in time: 503, worth retrying
@@ -199,17 +201,41 @@ class DraftReport:
 
 
 @dataclass(slots=True)
+class RefusedRequest:
+    """A request whose sequences a worker could not run (a bad plan for it, a grammar that failed): the scheduler
+    ends it with `error`; the rest of the step ran."""
+    rid: str
+    error: str
+
+
+@dataclass(slots=True)
 class StepResult:
-    """worker → scheduler (`results` stream): the tokens of one step (and its beams' candidates), or the
-    error that stopped it."""
+    """worker → scheduler (`results` stream): what one step sampled, as two columns, one entry per token in the
+    order sampled (a sequence that checked a draft has one per token it emitted), its beams' candidates and the
+    requests it refused; or the error that stopped it. Columns, as the scheduler reads every token of every step:
+    the tokens themselves, with their logprobs, go to each request's `out:` stream as TokenOutputs."""
     worker_id: str
     epoch: int
     step_id: int
-    outputs: list[TokenOutput] = field(default_factory=list)
+    seq_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    refused: list[RefusedRequest] = field(default_factory=list)
     error: str | None = None
     beams: list[BeamCandidates] = field(default_factory=list)
     waited: float = 0.0  # seconds the worker, holding sequences, waited for this plan after its step before
     drafts: list[DraftReport] = field(default_factory=list)
+
+    def validate(self) -> None:
+        if len(self.seq_ids) != len(self.token_ids):
+            raise ValueError(f"{len(self.seq_ids)} seq ids for {len(self.token_ids)} tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutcome:
+    """What a worker's step comes to (not a message itself): the result for the scheduler, and the tokens for the
+    requests' `out:` streams, which the worker service writes (the in-process engine takes them directly)."""
+    result: StepResult
+    outputs: list[TokenOutput] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -357,22 +383,54 @@ def decode(data: bytes, expected: type | tuple[type, ...] | None = None) -> Mess
 _REQUIRED = object()
 
 
+class _Field(typing.NamedTuple):
+    name: str
+    default: Any  # `_REQUIRED` for a field without one
+    columns: bool  # a list of messages: it travels as columns
+
+
 @functools.cache
-def _field_defaults(cls: type) -> tuple[tuple[str, Any], ...]:
-    """(name, default) per field; `_REQUIRED` for a field without one."""
-    return tuple((f.name, f.default if f.default is not dataclasses.MISSING
-                  else _REQUIRED if f.default_factory is dataclasses.MISSING else f.default_factory())
+def _layout(cls: type) -> tuple[_Field, ...]:
+    hints = typing.get_type_hints(cls)
+    return tuple(_Field(f.name, f.default if f.default is not dataclasses.MISSING
+                        else _REQUIRED if f.default_factory is dataclasses.MISSING else f.default_factory(),
+                        _message_item(hints[f.name]) is not None)
                  for f in dataclasses.fields(cls))
+
+
+def _message_item(tp: Any) -> type | None:
+    """M for a field of type list[M] (or list[M] | None) whose items are messages, else None."""
+    nullable = typing.get_origin(tp) in (Union, types.UnionType)
+    args = [a for a in typing.get_args(tp) if a is not type(None)] if nullable else [tp]
+    if len(args) != 1 or typing.get_origin(args[0]) is not list:
+        return None
+    (item,) = typing.get_args(args[0])
+    return item if dataclasses.is_dataclass(item) else None
 
 
 def _fields(obj: Any) -> dict[str, Any]:
     """A message's fields, less those at their default: the reader fills them in again. A token's entry is
     half the bytes so, and every reader decodes it faster (most of its fields are usually unset)."""
     body = {}
-    for name, default in _field_defaults(type(obj)):
+    for name, default, columns in _layout(type(obj)):
         value = getattr(obj, name)
         if default is _REQUIRED or value != default:
-            body[name] = value
+            body[name] = _columns(value) if columns and value is not None else value
+    return body
+
+
+def _columns(items: list[Any]) -> dict[str, Any]:
+    """A list of messages (of one type) as a map of columns, less those where every item is at its default; an empty
+    list has none."""
+    if not items:
+        return {}
+    layout = _layout(type(items[0]))
+    values = operator.attrgetter(*(f.name for f in layout))
+    rows = map(values, items) if len(layout) > 1 else ((values(item),) for item in items)
+    body = {}
+    for (name, default, columns), column in zip(layout, zip(*rows)):
+        if default is _REQUIRED or column.count(default) != len(column):
+            body[name] = [v if v is None else _columns(v) for v in column] if columns else column
     return body
 
 
@@ -399,7 +457,8 @@ def _validator(tp: Any) -> Callable[[Any], Any]:
     if origin in (Union, types.UnionType):
         return _union(tp)
     if origin is list:
-        return _list(typing.get_args(tp)[0])
+        item = typing.get_args(tp)[0]
+        return _columns_of(item) if dataclasses.is_dataclass(item) else _list(item)
     if origin is tuple:
         return _tuple(typing.get_args(tp))
     if dataclasses.is_dataclass(tp):
@@ -442,6 +501,48 @@ def _list(item_type: Any) -> Callable[[Any], Any]:
                 e.where.append(f"[{i}]")
                 raise
         return out
+    return check
+
+
+def _columns_of(cls: type) -> Callable[[Any], Any]:
+    """A list of `cls` messages from its columns (see _columns): each column checked as a list of its field, all of one
+    length, the required ones present unless the list is empty."""
+    hints = typing.get_type_hints(cls)
+    fields = dataclasses.fields(cls)
+    validators = {f.name: _list(hints[f.name]) for f in fields}  # (a column of messages is a list of maps)
+    required = [f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    validate_obj = getattr(cls, "validate", None)
+
+    def check(value: Any) -> Any:
+        if type(value) is not dict:
+            raise _Invalid(f"expected a map of columns, got {type(value).__name__}")
+        columns = {}
+        for name, column in value.items():
+            validate = validators.get(name)
+            if validate is None:
+                continue
+            try:
+                columns[name] = validate(column)
+            except _Invalid as e:
+                e.where.append(f".{name}")
+                raise
+        if not columns:
+            return []
+        lengths = {len(column) for column in columns.values()}
+        if len(lengths) > 1:
+            raise _Invalid(f"columns of different lengths {sorted(lengths)}")
+        for name in required:
+            if name not in columns:
+                raise _Invalid(f"missing column {name!r}")
+        names = list(columns)
+        items = [cls(**dict(zip(names, row))) for row in zip(*columns.values())]
+        if validate_obj is not None:
+            for i, item in enumerate(items):
+                try:
+                    validate_obj(item)
+                except ValueError as e:
+                    raise _Invalid(f"[{i}]: {e}") from None
+        return items
     return check
 
 

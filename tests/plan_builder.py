@@ -10,7 +10,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from shared.protocol import NewSequence, ScheduledSequence, StepPlan, StepResult
+from shared.protocol import NewSequence, ScheduledSequence, StepOutcome, StepPlan
 from shared.sampling import SamplingParams
 
 # Greedy and unbounded, so that a sequence ends only where a test says (the oracle ignores EOS too).
@@ -152,11 +152,9 @@ class PlanBuilder:
         self._reset_pending()
         return plan
 
-    def apply(self, result: StepResult) -> None:
-        assert result.error is None, result.error
-        for out in result.outputs:
-            if out.sample_index < 0:
-                continue  # a request the worker refused to run: the scheduler ends it
+    def apply(self, outcome: StepOutcome) -> None:
+        assert outcome.result.error is None, outcome.result.error
+        for out in outcome.outputs:
             seq = self.live[(out.rid, out.sample_index)]
             assert out.output_index == len(seq.outputs)
             seq.outputs.append(out.token_id)
@@ -165,10 +163,10 @@ class PlanBuilder:
             seq.finish_reasons.append(out.finish_reason)
 
 
-def step(worker, builder: PlanBuilder) -> StepResult:
-    result = worker.execute(builder.plan())
-    builder.apply(result)
-    return result
+def step(worker, builder: PlanBuilder) -> StepOutcome:
+    outcome = worker.execute(builder.plan())
+    builder.apply(outcome)
+    return outcome
 
 
 def run_until(worker, builder: PlanBuilder, seqs: list[Seq], num_outputs: int) -> None:

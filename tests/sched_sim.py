@@ -11,7 +11,9 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable
 
-from shared.protocol import BeamCandidates, DraftReport, StepPlan, StepResult, TokenOutput, WorkerRegistration
+from shared.protocol import (
+    BeamCandidates, DraftReport, StepOutcome, StepPlan, StepResult, TokenOutput, WorkerRegistration,
+)
 from shared.sampling import SamplingParams, finish_reason
 
 # (rid, sample_index, output_index) → token id
@@ -47,7 +49,7 @@ class SimWorker:
         bs = self.reg.block_size
         return [self.slots.get(block_id * bs + k) for k in range(bs)]
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan) -> StepOutcome:
         bs = self.reg.block_size
         assert plan.worker_id == self.reg.worker_id
         if plan.epoch != self.epoch:
@@ -108,7 +110,8 @@ class SimWorker:
                 assert slot not in written, "two sequences write one slot in one step"
                 written.add(slot)
                 self.slots[slot] = tuple((seq.tokens + draft)[:p + 1])
-        outputs = []
+        outputs: list[TokenOutput] = []
+        seq_ids: list[int] = []
         reports: list[DraftReport] = []
         for sched in computed:
             seq = self.seqs[sched.seq_id]
@@ -131,12 +134,15 @@ class SimWorker:
                     seq.finished = reason is not None
                     outputs.append(TokenOutput(seq.rid, seq.sample_index, seq.num_outputs - 1, token,
                                                finish_reason=reason))
+                    seq_ids.append(sched.seq_id)
                     if seq.finished:
                         break
                 ready = self.drafts(4) if self.drafts and not seq.finished else 0
                 if proposed or ready:
                     reports.append(DraftReport(sched.seq_id, proposed, min(emitted - 1, proposed), ready))
-        return StepResult(self.reg.worker_id, plan.epoch, plan.step_id, outputs, beams=beams, drafts=reports)
+        result = StepResult(self.reg.worker_id, plan.epoch, plan.step_id, seq_ids, [out.token_id for out in outputs],
+                            beams=beams, drafts=reports)
+        return StepOutcome(result, outputs)
 
     def candidates(self, seq: SimSequence) -> list[tuple[int, float]]:
         """A beam's K best continuations under a made-up distribution that depends on its tokens alone."""
@@ -165,9 +171,9 @@ def drive(sched, sims: dict[str, SimWorker], outputs: dict[tuple[str, int], list
                 continue
             planned = True
             plans.append(plan)
-            result = sims[wid].execute(plan)
-            sched.apply_result(result)
-            for out in result.outputs if outputs is not None else ():
+            outcome = sims[wid].execute(plan)
+            sched.apply_result(outcome.result)
+            for out in outcome.outputs if outputs is not None else ():
                 tokens = outputs.setdefault((out.rid, out.sample_index), [])
                 assert out.output_index == len(tokens), "each output index arrives exactly once"
                 tokens.append(out.token_id)

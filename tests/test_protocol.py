@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from shared.protocol import (
-    MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Abort, NewSequence, ProtocolError, Request, ScheduledSequence,
-    SchedulerStats, StepPlan, StepResult, TokenOutput, WorkerGone, WorkerRegistration, WorkerStats, decode,
-    encode,
+    MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Abort, NewSequence, ProtocolError, PromptLogprob, RefusedRequest, Request,
+    ScheduledSequence, SchedulerStats, StepPlan, StepResult, TokenOutput, WorkerGone, WorkerRegistration, WorkerStats,
+    decode, encode,
 )
 from shared.sampling import SamplingParams
 
@@ -26,8 +26,10 @@ EXAMPLES = [
              new_sequences=[NewSequence(5, "r1", 1, [1, 2, 3], [9], PARAMS)],
              scheduled=[ScheduledSequence(5, 0, 4, [7, 8]), ScheduledSequence(6, 30, 1, [], [1, 2, 3])],
              copies=[(7, 9)], swap_out=[(3, 0)], swap_in=[(1, 4)], freed=[2, 3]),
-    StepResult("w0", 3, 17, [TokenOutput("r1", 1, 0, 42, -0.25, [(42, -0.25), (7, -1.5)], "stop")]),
-    StepResult("w0", 3, 18, [], "CUDA out of memory"),
+    StepResult("w0", 3, 17, [5, 6, 6], [42, 7, 9], [RefusedRequest("r2", "bad step plan: unknown sequence 8")]),
+    StepResult("w0", 3, 18, error="CUDA out of memory"),
+    TokenOutput("r1", 1, 0, 42, -0.25, [(42, -0.25), (7, -1.5)], "stop",
+                prompt_logprobs=[PromptLogprob(-1.5, 3, [(9, -0.5)]), PromptLogprob(-0.25, 1)]),
     TokenOutput("r9", -1, 0, -1, finish_reason="error", error="prompt too long"),
     SchedulerStats(12.5, 3, 1, 0, 4, [WorkerStats("w0", 100, 40, 5, 320, 160)]),
 ]
@@ -46,6 +48,28 @@ def test_expected_type_is_enforced():
 
 def _body(msg) -> dict:
     return msgpack.unpackb(encode(msg))
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda b: b["scheduled"]["num_new_tokens"].pop(), r"StepPlan.scheduled: columns of different lengths \[1, 2\]"),
+    (lambda b: b["scheduled"].pop("seq_id"), r"StepPlan.scheduled: missing column 'seq_id'"),
+    (lambda b: b["scheduled"]["seq_id"].__setitem__(1, "6"), r"StepPlan.scheduled.seq_id\[1\]: expected a 64-bit int"),
+    (lambda b: b.update(scheduled=[{"seq_id": 5}]), "StepPlan.scheduled: expected a map of columns, got list"),
+])
+def test_a_list_of_messages_travels_as_columns_checked_like_fields(mutate, message):
+    body = _body(EXAMPLES[4])
+    assert body["scheduled"]["seq_id"] == [5, 6] and "block_table" in body["scheduled"]
+    assert "append_token_ids" not in body["scheduled"], "a column at its default everywhere is left out"
+    mutate(body)
+    with pytest.raises(ProtocolError, match=message):
+        decode(msgpack.packb(body))
+
+
+def test_a_result_whose_columns_differ_in_length_is_a_typed_error():
+    body = _body(EXAMPLES[5])
+    body["token_ids"].pop()
+    with pytest.raises(ProtocolError, match="3 seq ids for 2 tokens"):
+        decode(msgpack.packb(body))
 
 
 @pytest.mark.parametrize("mutate, message", [

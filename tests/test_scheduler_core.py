@@ -1,12 +1,15 @@
 """Scenarios of the scheduler core, run against SimWorker (the plan contract on a checked shadow cache)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from sched_sim import SimWorker, drive
 from scheduler.cluster import Cluster
 from scheduler.request import FinishedRequest
-from shared.protocol import FAILED, REJECTED, UNAVAILABLE, Request, StepResult, WorkerRegistration
+from scheduler.worker_scheduler import WorkerScheduler
+from shared.protocol import FAILED, REJECTED, UNAVAILABLE, Request, StepResult, WorkerRegistration, encode
 from shared.sampling import SamplingParams
 from shared.settings import Settings
 
@@ -79,10 +82,10 @@ def test_latest_arrival_is_preempted_and_the_earliest_resumes_first(mode):
             assert {dev for dev, _ in plan.swap_out} == set().union(*(held[rid] for rid in out))
         for new in plan.new_sequences:
             first_sent.setdefault(new.rid, step)
-        result = sim.execute(plan)
-        for token in result.outputs:
+        outcome = sim.execute(plan)
+        for token in outcome.outputs:
             outputs.setdefault((token.rid, token.sample_index), []).append(token.token_id)
-        sched.apply_result(result)
+        sched.apply_result(outcome.result)
         if victims and len(requests) == 3:
             requests.append(request("d"))  # arrives while a preempted request waits
             sched.add_request(requests[-1])
@@ -141,10 +144,10 @@ def test_swap_round_trip_maps_each_block_back():
                 expected = pending.pop(sched_seq.seq_id)
                 assert sched_seq.block_table[:len(expected)] == expected
                 assert not any(n.seq_id == sched_seq.seq_id for n in plan.new_sequences), "the worker kept it"
-        result = sim.execute(plan)
-        for token in result.outputs:
+        outcome = sim.execute(plan)
+        for token in outcome.outputs:
             outputs.setdefault((token.rid, token.sample_index), []).append(token.token_id)
-        sched.apply_result(result)
+        sched.apply_result(outcome.result)
     assert swap_ins >= 2 and not to_swap and not pending
     assert outputs == reference_outputs(requests)
 
@@ -331,13 +334,13 @@ def test_one_plan_in_flight_and_stale_results_are_ignored():
     sched.add_request(request("r", max_tokens=4))
     plan = sched.schedule("w0")
     assert sched.schedule("w0") is None
-    result = sims["w0"].execute(plan)
-    sched.apply_result(StepResult("w0", plan.epoch, plan.step_id + 1, result.outputs))
-    sched.apply_result(StepResult("w0", plan.epoch + 1, plan.step_id, result.outputs))
-    sched.apply_result(StepResult("nobody", plan.epoch, plan.step_id, result.outputs))
+    result = sims["w0"].execute(plan).result
+    sched.apply_result(dataclasses.replace(result, step_id=plan.step_id + 1))
+    sched.apply_result(dataclasses.replace(result, epoch=plan.epoch + 1))
+    sched.apply_result(dataclasses.replace(result, worker_id="nobody"))
     assert sched.schedule("w0") is None, "still waiting for the real result"
     sched.apply_result(result)
-    token = result.outputs[0].token_id
+    token = result.token_ids[0]
     assert sched.requests["r"].outputs == [[token]]
     sched.apply_result(result)
     assert sched.requests["r"].outputs == [[token]], "a replayed result is ignored"
@@ -351,7 +354,7 @@ def test_a_lookahead_plans_the_next_token_while_the_step_runs():
     ahead = sched.schedule("w0")
     assert sched.schedule("w0") is None, "two plans in flight at most"
     assert [(s.num_computed_tokens, s.num_new_tokens, s.new_block_ids) for s in ahead.scheduled] == [(8, 1, [2])]
-    results = [sims["w0"].execute(first), sims["w0"].execute(ahead)]
+    results = [sims["w0"].execute(first).result, sims["w0"].execute(ahead).result]
     sched.apply_result(results[1])
     assert sched.requests["r"].outputs == [[]], "results are taken in plan order"
     for result in results:
@@ -359,10 +362,10 @@ def test_a_lookahead_plans_the_next_token_while_the_step_runs():
     third = sched.schedule("w0")
     assert [(s.num_computed_tokens, s.num_new_tokens) for s in third.scheduled] == [(9, 1)]
     assert sched.schedule("w0") is None, "its token in flight is the last (max_tokens=3): no lookahead"
-    results.append(sims["w0"].execute(third))
+    results.append(sims["w0"].execute(third).result)
     sched.apply_result(results[-1])
     assert sched.pop_finished() == [FinishedRequest("r", "length")] and used_blocks(sched) == 0
-    assert [out.token_id for result in results for out in result.outputs] == [pick("r", 0, i) for i in range(3)]
+    assert [token for result in results for token in result.token_ids] == [pick("r", 0, i) for i in range(3)]
 
 
 def test_a_sample_that_stops_in_flight_is_skipped_by_the_lookahead_and_freed():
@@ -371,15 +374,15 @@ def test_a_sample_that_stops_in_flight_is_skipped_by_the_lookahead_and_freed():
     sims["w0"].pick = eos_at_1
     sched.add_request(request("r", max_tokens=10))
     plans = [sched.schedule("w0"), sched.schedule("w0")]
-    results = [sims["w0"].execute(p) for p in plans]
+    results = [sims["w0"].execute(p).result for p in plans]
     sched.apply_result(results[0])
     plans.append(sched.schedule("w0"))
-    results.append(sims["w0"].execute(plans[2]))
+    results.append(sims["w0"].execute(plans[2]).result)
     sched.apply_result(results[1])
-    assert [out.token_id for out in results[1].outputs] == [EOS]
+    assert results[1].token_ids == [EOS]
     assert used_blocks(sched) == 0 and not sched.has_unfinished(), "its blocks are free at once"
     assert sched.pop_finished() == [], "its end waits for the plan in flight that still carries it"
-    assert results[2].outputs == [], "the worker knew the sample had stopped"
+    assert results[2].token_ids == [], "the worker knew the sample had stopped"
     sched.apply_result(results[2])
     assert sched.pop_finished() == [FinishedRequest("r", "stop")] and sched.schedule("w0") is None
 
@@ -391,7 +394,7 @@ def test_an_abort_with_a_lookahead_in_flight_frees_everything():
     sched.abort("r")
     assert used_blocks(sched) == 0
     for plan in plans:
-        sched.apply_result(sims["w0"].execute(plan))
+        sched.apply_result(sims["w0"].execute(plan).result)
     assert sched.pop_finished() == [FinishedRequest("r", "abort")] and not sched.has_unfinished()
 
 
@@ -406,7 +409,7 @@ def test_a_lookahead_never_preempts_it_drains_the_pipeline_for_a_full_step():
     assert [s.seq_id for s in ahead.scheduled] == [first.scheduled[0].seq_id], "a gets the last block; b would preempt"
     assert sched.num_preemptions == 0
     for plan in (first, ahead):
-        sched.apply_result(sims["w0"].execute(plan))
+        sched.apply_result(sims["w0"].execute(plan).result)
     full = sched.schedule("w0")
     assert sched.num_preemptions == 1 and [s.seq_id for s in full.scheduled] == [first.scheduled[0].seq_id]
 
@@ -418,11 +421,14 @@ def test_a_missing_token_fails_the_request():
     sched.add_request(request("r", max_tokens=5))
     sched.add_request(request("s", max_tokens=5))
     plan = sched.schedule("w0")
-    result = sims["w0"].execute(plan)
-    sched.apply_result(StepResult("w0", plan.epoch, plan.step_id, [o for o in result.outputs if o.rid == "s"]))
+    outcome = sims["w0"].execute(plan)
+    kept = [i for i, out in enumerate(outcome.outputs) if out.rid == "s"]
+    result = outcome.result
+    sched.apply_result(dataclasses.replace(result, seq_ids=[result.seq_ids[i] for i in kept],
+                                           token_ids=[result.token_ids[i] for i in kept]))
     (done,) = sched.pop_finished()
     assert done.rid == "r" and done.error_kind == FAILED and "returned no token for sample 0" in done.error
-    assert sched.requests["s"].outputs == [[result.outputs[1].token_id]]
+    assert sched.requests["s"].outputs == [[outcome.outputs[1].token_id]]
 
 
 def test_abort_frees_blocks_and_tells_the_worker():
@@ -444,7 +450,7 @@ def test_an_abort_while_the_step_runs_drops_its_tokens():
     sched, sims = make()
     sched.add_request(request("r", max_tokens=5))
     plan = sched.schedule("w0")
-    result = sims["w0"].execute(plan)
+    result = sims["w0"].execute(plan).result
     sched.abort("r", "stop")  # a stop string the gateway found
     sched.apply_result(result)
     assert sched.pop_finished() == [FinishedRequest("r", "stop")] and used_blocks(sched) == 0
@@ -597,3 +603,24 @@ def test_a_preempted_beam_search_resumes_whole_and_ends_the_same(mode):
     squeezed, preemptions = run(14)
     assert calm == 0 and preemptions > 0
     assert [(b.tokens, b.score) for b in squeezed["b"].beams] == [(b.tokens, b.score) for b in reference["b"].beams]
+
+
+@pytest.mark.parametrize("mode, async_scheduling", [("recompute", True), ("swap", True), ("recompute", False)])
+def test_the_decode_fast_lane_plans_exactly_what_the_general_path_plans(monkeypatch, mode, async_scheduling):
+    """WorkerScheduler._decode_alone plans most steps' tokens without the general path's objects: on a crowded cache
+    (preemption, copy-on-write of n > 1, shared prefixes, EOS), every plan and every token is what the general
+    path alone makes."""
+    def run() -> tuple[list[bytes], dict]:
+        sched, sims = make(num_blocks=14, num_swap=32, preemption_mode=mode, async_scheduling=async_scheduling)
+        sims["w0"].pick = lambda rid, sample, index: EOS if (index + len(rid)) % 23 == 0 else pick(rid, sample, index)
+        for i, rid in enumerate(["a", "bb", "ccc", "dddd", "ee", "f"]):
+            sched.add_request(request(rid, prompt_len=5 + 4 * i, max_tokens=12 + 5 * i, n=2 if rid == "ee" else 1,
+                                      prompt=[7] * 16 + [60 + i] * 3 if rid in ("a", "f") else None))
+        outputs: dict = {}
+        plans = drive(sched, sims, outputs)
+        return [encode(plan) for plan in plans], outputs
+    fast = run()
+    calls = []
+    monkeypatch.setattr(WorkerScheduler, "_decode_alone", lambda self, rs, step: calls.append(rs.rid) and False)
+    general = run()
+    assert calls and fast == general

@@ -137,11 +137,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         if self.pending.get(wid):
             self._apply(self.pending[wid].pop(0))
 
-    def _apply(self, result) -> None:
-        before = {out.rid: self.sched.requests.get(out.rid) for out in result.outputs}
+    def _apply(self, outcome) -> None:
+        result = outcome.result
+        before = {out.rid: self.sched.requests.get(out.rid) for out in outcome.outputs}
         status = {rid: rs.status for rid, rs in before.items() if rs is not None}
         self.sched.apply_result(result)
-        for out in result.outputs:
+        for out in outcome.outputs:
             rs = before[out.rid]
             if rs is not None and status[out.rid] is not Status.FINISHED and rs.worker_id == result.worker_id:
                 assert rs.outputs[out.sample_index][out.output_index] == out.token_id, "a token was dropped"

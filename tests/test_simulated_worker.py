@@ -153,9 +153,9 @@ def test_a_refused_plan_does_not_take_down_the_plan_after_it_and_block_moves_tak
     builder.schedule(b)
     ahead = builder.plan()
     ahead.copies.append((5, 6))
-    assert "copies pair (0, 3) is out of range" in worker.execute(refused).error
-    result = worker.execute(ahead)
-    assert result.error is None and [out.rid for out in result.outputs] == [b.rid]
+    assert "copies pair (0, 3) is out of range" in worker.execute(refused).result.error
+    outcome = worker.execute(ahead)
+    assert outcome.result.error is None and [out.rid for out in outcome.outputs] == [b.rid]
     assert worker.runner.last_step_s == pytest.approx(profile.step_time([ChunkSize(0, 12)], 1, copied_blocks=1))
 
 

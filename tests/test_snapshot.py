@@ -59,7 +59,7 @@ class Run:
         return plan
 
     def finish(self, plan) -> None:
-        result = self.sims[plan.worker_id].execute(plan)
+        result = self.sims[plan.worker_id].execute(plan).result
         self.results.append(result)
         self.cluster.apply_result(result)
         self.cluster.pop_finished()
@@ -173,7 +173,7 @@ def test_the_history_adds_up_to_the_plans_sent_and_the_tokens_that_came_back():
     assert sum(h.steps) == len(run.plans)
     assert sum(h.seqs) == sum(len(p.scheduled) for p in run.plans)
     assert sum(h.tokens) == sum(s.num_new_tokens for p in run.plans for s in p.scheduled)
-    assert sum(h.sampled) == sum(len(r.outputs) for r in run.results)  # synchronous: every chunk that ends samples
+    assert sum(h.sampled) == sum(len(r.token_ids) for r in run.results)  # synchronous: every chunk that ends samples
     stats = run.cluster.workers["w0"].stats()
     assert (sum(h.prefix_queries), sum(h.prefix_hits)) == (stats.prefix_queries, stats.prefix_hits)
     assert stats.prefix_hits > 0

@@ -118,8 +118,7 @@ def test_a_grammar_that_rejects_a_resumed_output_fails_that_request_alone(tiny_m
     plain = builder.add(tokenizer("Hello").input_ids)
     for seq in (good, bad, plain):
         builder.schedule(seq)
-    result = step(worker, builder)
-    failures = [out for out in result.outputs if out.sample_index < 0]
+    failures = step(worker, builder).result.refused
     assert [f.rid for f in failures] == [bad.rid] and "breaks its constraint" in failures[0].error
     builder.drop(bad)
     run_until(worker, builder, [good, plain], 6)

@@ -33,7 +33,7 @@ def admitted_order(sched, sims, rids: set[str]) -> list[str]:
             if plan is None:
                 continue
             order += [s.rid for s in plan.new_sequences if s.rid in rids and s.rid not in order]
-            sched.apply_result(sims[wid].execute(plan))
+            sched.apply_result(sims[wid].execute(plan).result)
         if set(order) == rids:
             return order
     raise AssertionError(f"only {order} of {sorted(rids)} were admitted")
@@ -52,9 +52,9 @@ def test_under_priority_a_more_urgent_arrival_preempts_the_least_urgent_running_
     assert [s.rid for s in plan.new_sequences] == ["urgent"]
     assert running(sched) == ["urgent", "low-a"], "the least urgent (priority 9) made room"
     assert [rs.rid for rs in sched.workers["w0"].preempted] == ["low-b"]
-    result = sims["w0"].execute(plan)
-    sched.apply_result(result)
-    for out in result.outputs:
+    outcome = sims["w0"].execute(plan)
+    sched.apply_result(outcome.result)
+    for out in outcome.outputs:
         outputs.setdefault((out.rid, 0), []).append(out.token_id)
     drive(sched, sims, outputs)
     assert {rid: len(tokens) for (rid, _), tokens in outputs.items()} == {"low-a": 40, "low-b": 40, "urgent": 4}
@@ -71,11 +71,11 @@ def test_with_a_plan_in_flight_an_arrival_that_needs_room_gets_the_next_plan_not
     in_flight = sched.schedule("w0")
     lookahead = sched.schedule("w0")
     assert in_flight is not None and lookahead is not None, "a lookahead behind a step in flight"
-    sched.apply_result(sims["w0"].execute(in_flight))
+    sched.apply_result(sims["w0"].execute(in_flight).result)
     sched.add_request(of(LIGHT, "urgent", -1, max_tokens=4))
     assert sched.schedule("w0") is None, "no lookahead that leaves the urgent request out"
     assert running(sched) == ["low-a", "low-b"]
-    sched.apply_result(sims["w0"].execute(lookahead))
+    sched.apply_result(sims["w0"].execute(lookahead).result)
     plan = sched.schedule("w0")
     assert [s.rid for s in plan.new_sequences] == ["urgent"] and running(sched) == ["urgent", "low-a"]
 
@@ -165,8 +165,8 @@ def test_under_fair_a_tenant_under_its_share_of_the_batch_preempts_the_latest_of
     plan = sched.schedule("w0")
     assert [s.rid for s in plan.new_sequences] == ["light"]
     assert [rs.rid for rs in sched.workers["w0"].preempted] == ["heavy-3"] and sched.num_preemptions == 1
-    sched.apply_result(result := sims["w0"].execute(plan))
-    for out in result.outputs:
+    sched.apply_result((outcome := sims["w0"].execute(plan)).result)
+    for out in outcome.outputs:
         outputs.setdefault((out.rid, 0), []).append(out.token_id)
     drive(sched, sims, outputs)
     assert {rid: len(t) for (rid, _), t in outputs.items()} == {**{f"heavy-{i}": 30 for i in range(6)}, "light": 4}

@@ -59,12 +59,13 @@ def test_block_moves_come_before_the_forward_pass_in_the_protocol_order():
     builder.schedule(a)
     plan = builder.plan()
     plan.swap_out, plan.swap_in, plan.copies = [(30, 1)], [(2, 29)], [(28, 27)]
-    result = worker.execute(plan)
+    outcome = worker.execute(plan)
     assert [call[0] for call in runner.calls] == ["swap_out", "swap_in", "copy", "forward"]
     (forward,) = [call[1] for call in runner.calls if call[0] == "forward"]
     assert forward == [(a.seq_id, 0, 12, a.blocks)], "the runner gets the scheduler's table"
-    (out,) = result.outputs
+    (out,) = outcome.outputs
     assert (out.rid, out.output_index, out.token_id, out.worker_id, out.epoch) == (a.rid, 0, 112, "w0", 0)
+    assert (outcome.result.seq_ids, outcome.result.token_ids) == ([a.seq_id], [112]), "the scheduler's columns"
 
 
 def test_only_a_chunk_that_reaches_the_end_samples_and_tables_grow_by_the_plans_deltas():
@@ -93,8 +94,8 @@ def test_a_stopped_sequence_is_skipped_until_the_scheduler_frees_it():
     runner.calls.clear()
     lookahead = builder.plan()  # as if planned before the scheduler knew a had stopped
     lookahead.scheduled.insert(0, type(lookahead.scheduled[0])(a.seq_id, len(a.tokens) - 1, 1))
-    result = worker.execute(lookahead)
-    assert [s for s, *_ in runner.calls[0][1]] == [b.seq_id] and [o.rid for o in result.outputs] == [b.rid]
+    outcome = worker.execute(lookahead)
+    assert [s for s, *_ in runner.calls[0][1]] == [b.seq_id] and [o.rid for o in outcome.outputs] == [b.rid]
     builder.drop(a)
     worker.execute(builder.plan())
     assert a.seq_id not in worker.stopped and a.seq_id not in worker.seqs

@@ -169,8 +169,8 @@ def test_new_epoch_drops_state(model):
     a = builder.add(prompt)
     run_until(worker, builder, [a], 3)
     stale = StepPlan(builder.worker_id, 1, 0, scheduled=[ScheduledSequence(a.seq_id, len(a.tokens) - 1, 1)])
-    result = worker.execute(stale)
-    assert result.outputs == [] and result.error is None, "an unknown sequence is skipped, its request unknown"
+    outcome = worker.execute(stale)
+    assert outcome.outputs == [] and outcome.result.error is None, "an unknown sequence is skipped, its request unknown"
     assert a.seq_id in worker.stopped and not worker.seqs
     fresh = PlanBuilder(builder.worker_id, NUM_BLOCKS, BLOCK_SIZE, epoch=1)
     b = fresh.add(prompt)
@@ -198,9 +198,9 @@ def test_plans_unusable_as_a_whole_are_refused_whole(model):
         run_until(worker, builder, [a], 4)
         assert a.seq_id == a_id
         tokens, table = list(worker.seqs[a.seq_id].token_ids), list(worker.seqs[a.seq_id].block_table)
-        result = worker.execute(plan)
-        assert result.error is not None and needle in result.error, (needle, result.error)
-        assert result.outputs == [] and set(worker.seqs) == {a.seq_id}
+        outcome = worker.execute(plan)
+        assert outcome.result.error is not None and needle in outcome.result.error, (needle, outcome.result.error)
+        assert outcome.outputs == [] and set(worker.seqs) == {a.seq_id}
         assert (worker.seqs[a.seq_id].token_ids, worker.seqs[a.seq_id].block_table) == (tokens, table)
         named = {m.seq_id for m in plan.new_sequences} | {item.seq_id for item in plan.scheduled}
         assert (a.seq_id in worker.stopped) == (a.seq_id in named)
@@ -235,12 +235,12 @@ def test_a_sequence_the_worker_cannot_run_fails_its_request_alone(model):
             builder.schedule(b)
         plan = builder.plan()
         spoil(b, plan)
-        result = worker.execute(plan)
-        failures = [out for out in result.outputs if out.sample_index < 0]
+        outcome = worker.execute(plan)
+        failures = outcome.result.refused
         victim = "x" if needle in ("vocabulary", "does not cover") else b.rid
-        assert result.error is None and [f.rid for f in failures] == [victim], (needle, result)
-        assert needle in failures[0].error and failures[0].finish_reason == "error"
-        builder.apply(result)
+        assert outcome.result.error is None and [f.rid for f in failures] == [victim], (needle, outcome)
+        assert needle in failures[0].error and victim not in {out.rid for out in outcome.outputs}
+        builder.apply(outcome)
         if victim == b.rid:
             builder.drop(b)
         run_until(worker, builder, [a], NEW)
@@ -314,9 +314,9 @@ def test_a_failed_step_takes_down_only_its_own_sequences_in_the_plan_after_it(mo
     with pytest.raises(RuntimeError):
         worker.execute(failing)
     monkeypatch.setattr(worker.runner, "execute", forward)
-    result = worker.execute(ahead)
-    assert result.error is None and [out.rid for out in result.outputs] == [c.rid]
-    builder.apply(result)
+    outcome = worker.execute(ahead)
+    assert outcome.result.error is None and [out.rid for out in outcome.outputs] == [c.rid]
+    builder.apply(outcome)
     builder.drop(a)  # the scheduler failed their requests
     builder.drop(b)
     run_until(worker, builder, [c], 6)
@@ -336,10 +336,10 @@ def test_a_refused_plan_does_not_take_down_the_plan_after_it(model):
     b = builder.add(second)
     builder.schedule(b)
     ahead = builder.plan()
-    assert "copies pair (0, 3) is out of range" in worker.execute(refused).error
-    result = worker.execute(ahead)
-    assert result.error is None and [out.rid for out in result.outputs] == [b.rid]
-    builder.apply(result)
+    assert "copies pair (0, 3) is out of range" in worker.execute(refused).result.error
+    outcome = worker.execute(ahead)
+    assert outcome.result.error is None and [out.rid for out in outcome.outputs] == [b.rid]
+    builder.apply(outcome)
     builder.drop(a)
     run_until(worker, builder, [b], 4)
     assert b.outputs == hf.greedy(second, 4) and not worker.stopped
