@@ -180,8 +180,9 @@ class WorkerScheduler:
         for rs in list(self.running):
             if step.full or step.blocked:
                 break
-            if rs.status is Status.RUNNING and not self._decode_alone(rs, step):  # (it may have been preempted by
-                self._schedule_running(rs, step)  # a request before it in this step)
+            # (one a request before it preempted in this step is running no more)
+            if rs.status is Status.RUNNING and not self._decode_alone(rs, step):
+                self._schedule_running(rs, step)
         # After a preemption, admitting would only preempt again, unless nothing is left running.
         if not step.blocked and (not step.preempted or not self.running):
             self._admit_all(step)
@@ -233,8 +234,7 @@ class WorkerScheduler:
         if not seq.sent or seq.resend_table or seq.appended:
             return False
         start = seq.num_computed
-        prompt_len = len(rs.req.prompt_token_ids)
-        if self.pacing.target(rs, seq, prompt_len + len(rs.outputs[seq.sample_index])) != start + 1:
+        if self.pacing.target(rs, seq, rs.num_tokens(seq)) != start + 1:
             return False  # nothing to compute before its token in flight comes back, or a prompt's chunk
         new_block_ids = self.kv.grow_by_one(seq.seq_id, start)
         if new_block_ids is None:
@@ -245,7 +245,7 @@ class WorkerScheduler:
         step.chunks.append(Scheduled(rs, seq, start, 1, True))
         step.budget -= 1
         step.seqs_left -= 1
-        prefill = int(start < prompt_len)
+        prefill = int(start < len(rs.prompt))
         self.ledger.charge(rs.req.tenant, prefill, 1 - prefill)
         return True
 

@@ -2,8 +2,8 @@
 
 Every payload is a msgpack map `{"v": PROTOCOL_VERSION, "type": <name>, ...fields}`; nested
 messages are maps without the envelope, and a list of messages is a map of columns, one list per field (a step's
-hundreds of sequences cost a few packed lists, not a map each). Decoding checks the version, the type, each field's type
-(from the dataclass annotations) and the size; anything wrong raises ProtocolError and nothing else.
+hundreds of sequences cost a few packed lists, not a map each). Decoding checks the version, the type, each field's
+type (from the dataclass annotations) and the size; anything wrong raises ProtocolError and nothing else.
 """
 from __future__ import annotations
 
@@ -508,9 +508,8 @@ def _columns_of(cls: type) -> Callable[[Any], Any]:
     """A list of `cls` messages from its columns (see _columns): each column checked as a list of its field, all of one
     length, the required ones present unless the list is empty."""
     hints = typing.get_type_hints(cls)
-    fields = dataclasses.fields(cls)
-    validators = {f.name: _list(hints[f.name]) for f in fields}  # (a column of messages is a list of maps)
-    required = [f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    validators = {f.name: _list(hints[f.name]) for f in _layout(cls)}  # (a column of messages is a list of maps)
+    required = [f.name for f in _layout(cls) if f.default is _REQUIRED]
     validate_obj = getattr(cls, "validate", None)
 
     def check(value: Any) -> Any:
@@ -535,13 +534,13 @@ def _columns_of(cls: type) -> Callable[[Any], Any]:
             if name not in columns:
                 raise _Invalid(f"missing column {name!r}")
         names = list(columns)
-        items = [cls(**dict(zip(names, row))) for row in zip(*columns.values())]
-        if validate_obj is not None:
-            for i, item in enumerate(items):
-                try:
-                    validate_obj(item)
-                except ValueError as e:
-                    raise _Invalid(f"[{i}]: {e}") from None
+        items = []
+        for i, row in enumerate(zip(*columns.values())):
+            try:
+                items.append(_build(cls, validate_obj, dict(zip(names, row))))
+            except _Invalid as e:
+                e.where.append(f"[{i}]")
+                raise
         return items
     return check
 
@@ -565,9 +564,7 @@ def _tuple(item_types: tuple[Any, ...]) -> Callable[[Any], Any]:
 
 def _message(cls: type) -> Callable[[Any], Any]:
     hints = typing.get_type_hints(cls)
-    fields = [(f.name, _validator(hints[f.name]),
-               f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
-              for f in dataclasses.fields(cls)]
+    fields = [(f.name, _validator(hints[f.name]), f.default is _REQUIRED) for f in _layout(cls)]
     validate_obj = getattr(cls, "validate", None)  # the rules of its own module (SamplingParams, Tenant)
 
     def check(value: Any) -> Any:
@@ -583,14 +580,19 @@ def _message(cls: type) -> Callable[[Any], Any]:
                     raise
             elif required:
                 raise _Invalid(f"missing field {name!r}")
-        obj = cls(**kwargs)
-        if validate_obj is not None:
-            try:
-                validate_obj(obj)
-            except ValueError as e:
-                raise _Invalid(str(e)) from None
-        return obj
+        return _build(cls, validate_obj, kwargs)
     return check
+
+
+def _build(cls: type, validate_obj: Callable[[Any], Any] | None, kwargs: dict[str, Any]) -> Any:
+    """The message from its checked fields, with the rules of its own module run on it."""
+    obj = cls(**kwargs)
+    if validate_obj is not None:
+        try:
+            validate_obj(obj)
+        except ValueError as e:
+            raise _Invalid(str(e)) from None
+    return obj
 
 
 def _int(value: Any) -> int:
