@@ -364,21 +364,27 @@ class Cluster:
         return min(fitting, key=lambda w: _placement_key(uncached[w.worker_id], w))
 
     # ---- steps ----------------------------------------------------------------------------
-    def schedule(self, worker_id: str) -> StepPlan | None:
+    def schedule(self, worker_id: str, now: float | None = None) -> StepPlan | None:
         ws = self.workers.get(worker_id)
-        return ws.schedule() if ws is not None else None
+        return ws.schedule(now) if ws is not None else None
 
-    def plans(self, worker_id: str) -> list[StepPlan]:
-        """Every plan the worker may be sent now: its next step and, with async scheduling, the one after."""
+    def plans(self, worker_id: str, now: float | None = None) -> list[StepPlan]:
+        """Every plan the worker may be sent now: its next step and, with async scheduling, the one after (by
+        `now`, the service's clock, once it falls due; at once without a clock)."""
         plans = []
-        while (plan := self.schedule(worker_id)) is not None:
+        while (plan := self.schedule(worker_id, now)) is not None:
             plans.append(plan)
         return plans
 
-    def apply_result(self, result: StepResult) -> None:
+    def lookahead_due(self, now: float) -> float | None:
+        """The earliest time after `now` at which a worker's lookahead falls due: when the service plans again."""
+        return min((due for ws in self.workers.values() if (due := ws.lookahead_due()) is not None and due > now),
+                   default=None)
+
+    def apply_result(self, result: StepResult, now: float | None = None) -> None:
         ws = self.workers.get(result.worker_id)
         if ws is not None:
-            ws.apply_result(result)
+            ws.apply_result(result, now)
 
     def stats(self, now: float) -> SchedulerStats:
         workers = [ws.stats() for ws in self.workers.values()]

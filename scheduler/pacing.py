@@ -7,18 +7,43 @@ meanwhile are reused only by later plans). A lookahead never preempts, since a s
 its token: short of blocks, it ends there, and the worker's pipeline drains before the full step that makes room.
 Nor is a plan made behind one in which a sequence checks a draft (speculative decoding): how many tokens that
 sequence ends the step with is known only from its result.
+
+Given a clock (the scheduler service's), a lookahead is planned late: shortly before the step in flight is due to
+end, so that requests arriving meanwhile join the very next step instead of the one after it. How long a step takes
+is learnt from the worker's last steps (`StepTimes`); with no clock (the in-process engine), or before a step has been
+timed, it is planned at once.
 """
 from __future__ import annotations
 
+from collections import deque
+
 from scheduler.request import RequestState, SeqState
+
+# The lookahead goes out this share of a step before the step is due to end: room for planning it, the bus and a
+# busy loop. A worker kept waiting for one adds its wait to that lead for the next WAITS_KEPT steps.
+LEAD_SHARE = 0.25
+STEPS_TIMED = 8  # the estimate is the shortest of the last steps: a step planned too early costs only latency
+WAITS_KEPT = 64
 
 
 class Synchronous:
     """One plan in flight: the next is planned once its result is in."""
 
-    def may_plan(self, num_in_flight: int, drafting: bool) -> bool:
-        """Whether a plan may be made now (`drafting`: the last plan in flight lets a sequence check a draft)."""
+    def may_plan(self, num_in_flight: int, drafting: bool, now: float | None = None) -> bool:
+        """Whether a plan may be made now (`drafting`: the last plan in flight lets a sequence check a draft;
+        `now`: the caller's clock, if it has one)."""
         return num_in_flight == 0
+
+    def due(self, num_in_flight: int, drafting: bool) -> float | None:
+        """When a plan not allowed now falls due by the clock alone (None: not by the clock)."""
+        return None
+
+    def step_began(self, now: float | None) -> None:
+        """The oldest plan in flight is the step the worker computes now (the one before it ended, or it was sent
+        to an idle worker)."""
+
+    def step_ended(self, now: float | None, late: float) -> None:
+        """The oldest step's result came in; it was a lookahead the worker had waited `late` seconds for."""
 
     def target(self, rs: RequestState, seq: SeqState, known: int) -> int:
         """The tokens the sequence's KV should cover, given the `known` ones it has to."""
@@ -41,12 +66,25 @@ class Lookahead:
     def __init__(self, max_model_len: int) -> None:
         self.max_model_len = max_model_len
         self.draining = False  # short of blocks while a plan was in flight: the next plan waits for the pipeline
+        self.times = StepTimes()
 
-    def may_plan(self, num_in_flight: int, drafting: bool) -> bool:
+    def may_plan(self, num_in_flight: int, drafting: bool, now: float | None = None) -> bool:
         if not num_in_flight:
             self.draining = False
             return True
+        return self._may_look_ahead(num_in_flight, drafting) and (now is None or now >= self.times.lookahead_due())
+
+    def due(self, num_in_flight: int, drafting: bool) -> float | None:
+        return self.times.lookahead_due() if self._may_look_ahead(num_in_flight, drafting) else None
+
+    def _may_look_ahead(self, num_in_flight: int, drafting: bool) -> bool:
         return num_in_flight == 1 and not self.draining and not drafting
+
+    def step_began(self, now: float | None) -> None:
+        self.times.began(now)
+
+    def step_ended(self, now: float | None, late: float) -> None:
+        self.times.ended(now, late)
 
     def target(self, rs: RequestState, seq: SeqState, known: int) -> int:
         if seq.num_placeholders and self._token_in_flight_ends(rs, seq):
@@ -70,3 +108,32 @@ class Lookahead:
 
     def token_arrived(self, seq: SeqState) -> None:
         seq.num_placeholders -= 1
+
+
+class StepTimes:
+    """How long a worker's steps take, on the scheduler's clock, and so when the lookahead behind the step in flight
+    falls due."""
+
+    def __init__(self) -> None:
+        self.began_at: float | None = None  # when the step in flight began (None: no clock, or not timed)
+        self.lengths: deque[float] = deque(maxlen=STEPS_TIMED)
+        self.waits: deque[float] = deque(maxlen=WAITS_KEPT)
+
+    def began(self, now: float | None) -> None:
+        self.began_at = now
+
+    def ended(self, now: float | None, late: float) -> None:
+        """A step's result came in at `now`: its length is the time since it began, less the `late` seconds the
+        worker then waited for its plan (a lookahead made too late)."""
+        self.waits.append(late)
+        if now is not None and self.began_at is not None:
+            self.lengths.append(now - self.began_at - late)
+        self.began_at = None
+
+    def lookahead_due(self) -> float:
+        """When the lookahead behind the step in flight falls due: the step's expected end less a lead (at once
+        while the step is untimed)."""
+        if self.began_at is None or not self.lengths:
+            return float("-inf")
+        length = min(self.lengths)
+        return self.began_at + length - LEAD_SHARE * length - max(self.waits, default=0.0)

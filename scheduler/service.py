@@ -1,10 +1,10 @@
 """The scheduler service: the cluster core (scheduler/cluster.py) behind the Redis bus.
 
 One asyncio loop, three blocking readers (requests through the consumer group, control, results), each
-on its own connection, and a housekeeping tick (lease, worker and gateway liveness, timeouts, stats).
-Every event ends in `pump()`: write the placements, each worker's next plans and the ends of finished
-requests in one round trip. A request is acknowledged only once it has ended, so a scheduler that dies
-leaves it pending for the next one, which resumes it from its `out:` stream.
+on its own connection, a housekeeping tick (lease, worker and gateway liveness, timeouts, stats) and a timer for
+the lookaheads planned late (scheduler/pacing.py). Every event ends in `pump()`: write the placements, each
+worker's next plans and the ends of finished requests in one round trip. A request is acknowledged only once it has
+ended, so a scheduler that dies leaves it pending for the next one, which resumes it from its `out:` stream.
 """
 from __future__ import annotations
 
@@ -62,6 +62,8 @@ class SchedulerService:
         self.reread_pending = False
         self.stop_event = asyncio.Event()
         self.pump_lock = asyncio.Lock()
+        self.lookahead_due: float | None = None  # when the next worker's lookahead falls due, on the loop's clock
+        self.due_changed = asyncio.Event()
         self.failed = False
 
     # ---- start-up -------------------------------------------------------------------------
@@ -231,7 +233,7 @@ class SchedulerService:
     def _on_result(self, msg: StepResult) -> None:
         if msg.error:
             log.error("worker %s failed step %d: %s", msg.worker_id, msg.step_id, msg.error)
-        self.cluster.apply_result(msg)
+        self.cluster.apply_result(msg, asyncio.get_running_loop().time())
 
     # ---- the loop -------------------------------------------------------------------------
     async def pump(self) -> None:
@@ -241,8 +243,9 @@ class SchedulerService:
             commands: list[Command] = [
                 ("xadd", (self.keys.out(rid), {FIELD: encode(Assignment(rid, worker_id, cluster.epoch))}), {})
                 for rid, worker_id in cluster.pop_placements()]
+            now = asyncio.get_running_loop().time()
             for worker_id in cluster.worker_ids:
-                for plan in cluster.plans(worker_id):
+                for plan in cluster.plans(worker_id, now):
                     self.publisher.planned(cluster, plan)
                     commands.append(("xadd", (self.keys.plans(worker_id), {FIELD: encode(plan)}),
                                      {"maxlen": PLANS_MAXLEN, "approximate": True}))
@@ -252,6 +255,21 @@ class SchedulerService:
                 # The core already counts these plans as in flight: they must reach Redis. A replay after a
                 # connection drop is harmless (workers skip plans they have run; readers skip indices).
                 await retry_async(lambda: self._execute(commands), "writing plans")
+            due = cluster.lookahead_due(now)
+            if due != self.lookahead_due:
+                self.lookahead_due = due
+                self.due_changed.set()
+
+    async def _plan_lookaheads(self) -> None:
+        """Pump when a worker's lookahead falls due (scheduler/pacing.py: it is planned late, so that requests
+        arriving while the step runs join the next one), unless a pump meanwhile moves that time."""
+        self.due_changed.clear()
+        due = self.lookahead_due
+        timeout = None if due is None else max(0.0, due - asyncio.get_running_loop().time())
+        try:
+            await asyncio.wait_for(self.due_changed.wait(), timeout)
+        except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11)
+            await self.pump()
 
     async def _execute(self, commands: list[Command]) -> None:
         pipe = self.client.pipeline(transaction=False)
@@ -348,6 +366,7 @@ class SchedulerService:
             asyncio.create_task(self._read_forever("control", read_control)),
             asyncio.create_task(self._read_forever("results", read_results)),
             asyncio.create_task(self._read_forever("housekeeping", self._housekeeping)),
+            asyncio.create_task(self._read_forever("lookaheads", self._plan_lookaheads)),
         ]
         stop = asyncio.create_task(self.stop_event.wait())
         done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)

@@ -73,6 +73,7 @@ class InFlight:
     step_id: int
     chunks: list[Scheduled]
     drafting: bool = False  # a sequence may check a draft: how many tokens it ends with is known only from its result
+    ahead: bool = False  # planned behind another plan in flight (a lookahead)
 
 
 @dataclass(slots=True)
@@ -167,9 +168,10 @@ class WorkerScheduler:
         bisect.insort(self.waiting, rs, key=ORDER)
 
     # ---- one step -------------------------------------------------------------------------
-    def schedule(self) -> StepPlan | None:
-        """The worker's next step, or None: nothing to do, or no plan may be sent now."""
-        if not self.pacing.may_plan(len(self.in_flight), bool(self.in_flight) and self.in_flight[-1].drafting):
+    def schedule(self, now: float | None = None) -> StepPlan | None:
+        """The worker's next step, or None: nothing to do, or no plan may be sent now (`now`: the caller's clock,
+        by which a lookahead falls due; without one it is planned at once)."""
+        if not self.pacing.may_plan(len(self.in_flight), self._drafting(), now):
             return None
         step = StepBuilder(StepPlan(self.worker_id, self.epoch, next(self.ids.steps)),
                            self.settings.max_num_batched_tokens, self.settings.max_num_seqs)
@@ -190,9 +192,19 @@ class WorkerScheduler:
         if not (step.chunks or plan.swap_out or plan.swap_in or plan.copies):
             return None
         plan.freed, self.to_free = self.to_free, []
-        self.in_flight.append(InFlight(plan.step_id, step.chunks, any(c.num_draft for c in step.chunks)))
+        if not self.in_flight:
+            self.pacing.step_began(now)
+        self.in_flight.append(InFlight(plan.step_id, step.chunks, any(c.num_draft for c in step.chunks),
+                                       bool(self.in_flight)))
         self.num_steps += 1
         return plan
+
+    def lookahead_due(self) -> float | None:
+        """When the pacing lets the next plan be made, if only the clock holds it back (None: not by the clock)."""
+        return self.pacing.due(len(self.in_flight), self._drafting())
+
+    def _drafting(self) -> bool:
+        return bool(self.in_flight) and self.in_flight[-1].drafting
 
     def _schedule_running(self, rs: RequestState, step: StepBuilder, admitting: bool = False) -> None:
         """Schedule the request's next chunks; while the cache has no room for them, preempt the latest-
@@ -455,12 +467,18 @@ class WorkerScheduler:
         return len(rs.prompt) - len(hits) * self.kv.block_size
 
     # ---- results --------------------------------------------------------------------------
-    def apply_result(self, result: StepResult) -> None:
-        """Take the result of the oldest plan in flight (results come back in plan order)."""
+    def apply_result(self, result: StepResult, now: float | None = None) -> None:
+        """Take the result of the oldest plan in flight (results come back in plan order; `now`: when it came, on
+        the clock `schedule` is given)."""
         if not self.in_flight or result.epoch != self.epoch or result.step_id != self.in_flight[0].step_id:
             return
-        chunks = self.in_flight.popleft().chunks
+        flight = self.in_flight.popleft()
+        chunks = flight.chunks
         self.plan_wait += result.waited
+        # (a worker waits for a plan sent to it idle since before the scheduler had anything to plan)
+        self.pacing.step_ended(now, result.waited if flight.ahead else 0.0)
+        if self.in_flight:
+            self.pacing.step_began(now)
         if result.error is not None:
             for rs in {id(c.rs): c.rs for c in chunks}.values():
                 if rs.status is Status.RUNNING:

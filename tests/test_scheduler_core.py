@@ -368,6 +368,40 @@ def test_a_lookahead_plans_the_next_token_while_the_step_runs():
     assert [token for result in results for token in result.token_ids] == [pick("r", 0, i) for i in range(3)]
 
 
+def test_with_a_clock_the_lookahead_waits_until_shortly_before_the_step_in_flight_ends():
+    """So that a request arriving while a step runs joins the very next step, not the one after it."""
+    sched, sims = make()
+    sched.add_request(request("r", max_tokens=50))
+    plans = sched.plans("w0", now=0.0)
+    assert len(plans) == 2, "no step timed yet: the lookahead goes at once"
+    sched.apply_result(sims["w0"].execute(plans[0]).result, now=0.1)  # a step of 100 ms; the next one begins
+    assert sched.plans("w0", now=0.1) == [] and sched.lookahead_due(0.1) == pytest.approx(0.175), "a 25 ms lead"
+    sched.add_request(request("late", max_tokens=5))
+    assert sched.plans("w0", now=0.17) == []
+    (ahead,) = sched.plans("w0", now=0.176)
+    assert [s.num_new_tokens for s in ahead.scheduled] == [1, 8], "r's token and the arrival's prompt"
+    assert sched.lookahead_due(0.176) is None, "two plans in flight"
+    waited = dataclasses.replace(sims["w0"].execute(plans[1]).result, waited=0.01)  # the worker waited for it
+    sched.apply_result(waited, now=0.3)
+    assert sched.lookahead_due(0.3) == pytest.approx(0.3 + 0.075 - 0.01), "a wait moves lookaheads earlier"
+    assert len(sched.plans("w0")) == 1, "without a clock it goes at once"
+
+
+def test_a_wait_for_a_plan_sent_to_an_idle_worker_does_not_move_the_lookahead():
+    """The worker counts the wait while it holds a sequence that ended; only a lookahead it waited for was late."""
+    sched, sims = make()
+    sched.add_request(request("a", max_tokens=2))
+    first, ahead = sched.plans("w0", now=0.0)
+    sched.apply_result(sims["w0"].execute(first).result, now=0.1)
+    sched.apply_result(sims["w0"].execute(ahead).result, now=0.2)
+    assert sched.pop_finished() == [FinishedRequest("a", "length")]
+    sched.add_request(request("b", max_tokens=50))
+    (alone,) = sched.plans("w0", now=1.0)
+    sched.apply_result(dataclasses.replace(sims["w0"].execute(alone).result, waited=0.8), now=1.1)
+    sched.plans("w0", now=1.1)
+    assert sched.lookahead_due(1.1) == pytest.approx(1.1 + 0.075), "steps of 100 ms, and no wait for a lookahead"
+
+
 def test_a_sample_that_stops_in_flight_is_skipped_by_the_lookahead_and_freed():
     eos_at_1 = lambda rid, sample, index: EOS if index == 1 else pick(rid, sample, index)  # noqa: E731
     sched, sims = make()

@@ -15,7 +15,7 @@ import pytest
 from benchmarks.bus_client import BusClient
 from pagedserve.supervision import Stack
 from shared.keys import FIELD, Keys
-from shared.protocol import Abort, TokenOutput, decode, encode
+from shared.protocol import Abort, StepPlan, StepResult, TokenOutput, decode, encode
 from shared.sampling import SamplingParams
 from shared.settings import Settings
 from shared.tenants import Tenant
@@ -101,6 +101,33 @@ def test_a_worker_reports_how_long_it_waited_for_its_plans(redis_url, stack_fact
     client.wait(rids, stack=stack)
     (worker,) = client.settled_stats().workers
     assert worker.steps >= GREEDY.max_tokens and worker.plan_wait > 0
+
+
+def test_a_request_arriving_early_in_a_step_joins_the_step_after_it(redis_url, stack_factory):
+    """With async scheduling the lookahead behind the step a worker computes is planned shortly before that step
+    ends (scheduler/pacing.py), not as it begins: a request arriving early in step k is in step k + 1's plan."""
+    stack, client = stack_factory(redis_url, workers=("w0",), simulate="a100-40gb-opt-13b")  # steps of ~25 ms
+    r, results = client.redis, client.keys.results
+    client.submit(prompts(1, seed=3)[0], dataclasses.replace(GREEDY, max_tokens=2_000))
+    client.wait_for(lambda: len(r.xrange(results, count=10)) == 10, "the first steps to be timed", stack=stack)
+    for _ in range(5):  # the arrival must come well inside the lead (a quarter of a step): retried when late
+        (_, ((result_id, fields),)), = r.xread({results: r.xrevrange(results, count=1)[0][0]}, block=5_000)
+        rid = client.submit(prompts(1, seed=4)[0], GREEDY)
+        arrived = r.xrevrange(client.keys.requests, count=1)[0][0]
+        if _ms(arrived) - _ms(result_id) <= 5:
+            break
+    else:
+        pytest.fail("no request reached Redis within 5 ms of a step's start in 5 tries")
+    client.wait([rid], stack=stack)
+    step = decode(fields[FIELD.encode()], StepResult).step_id + 1  # the step the worker began with that result
+    plans = [decode(f[FIELD.encode()], StepPlan) for _, f in r.xrange(client.keys.plans("w0"))]
+    joined = next(p for p in plans if any(s.rid == rid for s in p.new_sequences))
+    assert joined.step_id == step + 1
+
+
+def _ms(entry_id: bytes) -> int:
+    """A stream entry's time on the Redis server's clock."""
+    return int(entry_id.split(b"-")[0])
 
 
 def test_prefix_aware_placement(redis_url, stack_factory):
