@@ -2,8 +2,10 @@
 token, and how long those turned away should wait before they retry.
 
 A call is admitted whole or not at all, and its own prompts count against the waiting limit before it is
-admitted, so one large call cannot fill the queue for everyone. The wait advised with a 429 is the time the
-queue needs to drain far enough for the call (shared/drain.py).
+admitted, so one large call cannot fill the queue for everyone. Under the fair policy a tenant within its share of
+the queue joins it even when it is full, so that one tenant's backlog cannot fill it for everyone either
+(shared/tenants.py). The wait advised with a 429 is the time the queue needs to drain far enough for the call
+(shared/drain.py).
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from dataclasses import dataclass, field
 
 from gateway.errors import bad_request, rate_limited
 from shared.drain import Drain
+from shared.protocol import SchedulerStats
+from shared.tenants import Tenant, under_share
 
 
 @dataclass(slots=True)
@@ -27,18 +31,28 @@ class Admission:
                               "(max_call_tokens); send fewer prompts, a smaller n or max_tokens",
                               code="call_too_large")
 
-    def admit(self, count: int, waiting_elsewhere: int, now: float) -> None:
+    def admit(self, count: int, waiting_elsewhere: int, now: float, under_share: bool = False) -> None:
         """Reserve `count` places, or raise: 400 for a call that could never fit, 429 (with the wait to advise)
-        while the queue is too full for it. `waiting_elsewhere` is the scheduler's own count, when fresh."""
+        while the queue is too full for it, unless its tenant is `under_share` (the fair policy: within its share of
+        the queue; shared/tenants.py). `waiting_elsewhere` is the scheduler's own count, when fresh."""
         if count > self.max_waiting:
             raise bad_request(f"this call has {count} prompts; at most {self.max_waiting} requests may wait at "
                               "once (max_waiting_requests); split it", param="prompt", code="call_too_large")
         waiting = max(self.waiting, waiting_elsewhere)
         excess = waiting + count - self.max_waiting
-        if excess > 0:
+        if excess > 0 and not under_share:
             raise rate_limited(f"{waiting} requests are waiting, the limit is {self.max_waiting}",
                                self.drain.retry_after(excess, now))
         self.waiting += count
+
+    def within_share(self, stats: SchedulerStats, tenant: Tenant, count: int) -> bool:
+        """Whether the tenant's requests waiting (the scheduler's count), `count` more included, stay within its
+        share of the waiting limit under the fair policy (the scheduler's ledger, which has the last word, applies
+        the same rule)."""
+        held = next((t.waiting for t in stats.tenants if t.tenant == tenant.name), 0)
+        weights = tenant.weight + sum(t.weight for t in stats.tenants if t.waiting and t.tenant != tenant.name)
+        total = max(self.waiting, stats.waiting)
+        return under_share(self.max_waiting, total, held, count, tenant.weight, weights)
 
     def first_token(self, now: float) -> None:
         """One admitted request got its first token: it leaves the queue."""

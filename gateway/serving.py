@@ -97,7 +97,10 @@ class Gateway:
             raise bus_unavailable(e) from None
         now = time.time()
         fresh = stats is not None and now - stats.time <= self.settings.heartbeat_ttl
-        self.admission.admit(len(call.prompts), stats.waiting if fresh else 0, now)
+        count = len(call.prompts)
+        fair = fresh and self.settings.scheduling_policy == "fair"
+        self.admission.admit(count, stats.waiting if fresh else 0, now,
+                             under_share=fair and self.admission.within_share(stats, tenant, count))
 
     async def abort(self, rids: list[str], reason: str, log: logging.Logger | logging.LoggerAdapter) -> None:
         try:

@@ -399,7 +399,7 @@ class Cluster:
         )
 
     def tenant_stats(self) -> list[TenantStats]:
-        return [TenantStats(name, a.waiting, a.running_seqs, a.tokens_in_window())
+        return [TenantStats(name, a.waiting, a.running_seqs, a.tokens_in_window(), a.tenant.weight)
                 for name, a in sorted(self.ledger.accounts.items())]
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from shared.drain import Drain
 from shared.protocol import Request
 from shared.settings import Settings
-from shared.tenants import Tenant
+from shared.tenants import Tenant, under_share
 
 PREFILL_COST = 1.0
 DECODE_COST = 2.0
@@ -77,13 +77,23 @@ class Ledger:
             return Refusal(f"{name} had {account.tokens_in_window()} tokens computed in the last minute, its limit "
                            f"is {tenant.tokens_per_minute} per minute", self._window_frees(account))
         waiting = sum(a.waiting for a in self.accounts.values())
-        if waiting >= self.settings.max_waiting_requests:
+        limit = self.settings.max_waiting_requests
+        if waiting >= limit and not self._under_share(account, limit, "waiting", waiting, 1):
             return self._full(f"{waiting} requests are waiting, the server's limit", self.drain, 1)
         queued = sum(a.queued_tokens for a in self.accounts.values())
-        if self.settings.max_queued_tokens and queued + prompt > self.settings.max_queued_tokens:
+        limit = self.settings.max_queued_tokens
+        if limit and queued + prompt > limit and not self._under_share(account, limit, "queued_tokens", queued, prompt):
             return self._full(f"{queued} prompt tokens are waiting; this request's {prompt} would pass the server's "
-                              f"limit of {self.settings.max_queued_tokens}", self.drain, 1)
+                              f"limit of {limit}", self.drain, 1)
         return None
+
+    def _under_share(self, account: Account, limit: int, held: str, total: int, adding: int) -> bool:
+        """Under the fair policy, whether the tenant stays within its share of the server's limit on `held` (an
+        Account field; `total` in all) when it adds `adding`."""
+        if self.settings.scheduling_policy != "fair":
+            return False
+        weights = sum(a.tenant.weight for a in self.accounts.values() if getattr(a, held) or a is account)
+        return under_share(limit, total, getattr(account, held), adding, account.tenant.weight, weights)
 
     def _full(self, message: str, drain: Drain, excess: int) -> Refusal:
         return Refusal(message, drain.retry_after(excess, self.now))

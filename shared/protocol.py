@@ -263,6 +263,7 @@ class TenantStats:
     waiting: int  # requests not admitted yet
     running_seqs: int
     tokens_last_minute: int  # prompt and generated tokens computed for it, in the last minute
+    weight: float = 1.0  # its weight under the fair policy (the gateway splits the waiting limit by it)
 
 
 @dataclass(slots=True)

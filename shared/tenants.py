@@ -59,6 +59,14 @@ class Tenant:
         return "" if self.shared_cache or self.name == DEFAULT_TENANT else self.name
 
 
+def under_share(limit: float, total: float, held: float, adding: float, weight: float, weights_holding: float) -> bool:
+    """Under the fair policy, whether a tenant holding `held` of a server-wide queue limit (requests or prompt
+    tokens; `total` held in all) stays within its share when it adds `adding`: the limit split by the weights of
+    the tenants holding some (`weights_holding`, its own included). Such a tenant still joins a full queue, up to
+    twice the limit: a tenant sending ten times the others' load cannot fill the queue for them."""
+    return total + adding <= 2 * limit and held + adding <= limit * weight / weights_holding
+
+
 @dataclass(frozen=True, slots=True)
 class Keys:
     """API key → tenant: the keys file's, or one tenant for `--api-key`'s keys (or for everyone, with none)."""

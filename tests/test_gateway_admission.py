@@ -1,7 +1,9 @@
 """Admission without I/O: a call's own prompts count before it is admitted, a call that could never fit is a
-400 not a 429, and the wait advised with a 429 follows how fast the queue drains, spread by jitter."""
+400 not a 429, under fair a tenant within its share joins a full queue, and the wait advised with a 429 follows how
+fast the queue drains, spread by jitter."""
 from __future__ import annotations
 
+import dataclasses
 import random
 import statistics
 
@@ -10,6 +12,8 @@ import pytest
 from gateway.admission import Admission
 from gateway.errors import ApiError
 from shared.drain import MAX_RETRY_S, Drain
+from shared.protocol import SchedulerStats, TenantStats
+from shared.tenants import Tenant
 
 
 def admission(max_waiting: int = 1024, waiting: int = 0) -> Admission:
@@ -31,6 +35,20 @@ def test_a_call_counts_its_own_prompts_before_it_is_admitted():
     assert status_of(lambda: a.admit(24, 0, 0.0)) == 200 and a.waiting == 1024
     assert status_of(lambda: a.admit(1, 0, 0.0)) == 429
     assert status_of(lambda: admission().admit(1, 1024, 0.0)) == 429, "the scheduler's own count counts too"
+
+
+def test_under_fair_a_tenant_within_its_share_of_the_waiting_limit_joins_a_full_queue():
+    """The scheduler's count: heavy holds 6 of the 8 places, light 2; light, of weight 3 in the 4 of the tenants
+    waiting, may hold 6, heavy 2."""
+    stats = SchedulerStats(0.0, 0, 8, 0, 0, tenants=[TenantStats("heavy", 6, 0, 0), TenantStats("light", 2, 0, 0, 3.0)])
+    a = admission(max_waiting=8)
+    light, heavy = Tenant("light", weight=3.0), Tenant("heavy")
+    assert a.within_share(stats, light, 4) and not a.within_share(stats, light, 5)
+    assert not a.within_share(stats, heavy, 1)
+    assert a.within_share(stats, Tenant("new"), 1), "a tenant with nothing waiting: 8 x 1 / 5"
+    assert not a.within_share(dataclasses.replace(stats, waiting=16), light, 1), "never past twice the limit"
+    assert status_of(lambda: a.admit(4, 8, 0.0, under_share=True)) == 200 and a.waiting == 4
+    assert status_of(lambda: a.admit(1, 8, 0.0)) == 429
 
 
 def test_a_call_larger_than_the_queue_or_the_work_cap_is_a_400():

@@ -207,6 +207,19 @@ def test_a_tenants_waiting_limit_turns_its_next_request_away_with_a_wait_and_lea
     assert not refusals(sched)
 
 
+@pytest.mark.parametrize("policy, turned_away", [("fcfs", ["h4", "l0", "l1", "l2"]), ("fair", ["h4", "l2"])])
+def test_under_fair_a_tenant_within_its_share_joins_a_queue_that_another_tenant_filled(policy, turned_away):
+    """Ten times the load must not turn the light tenant away: under fair a full queue still takes a tenant within
+    its weighted share of the limit (here 2 of 4), and goes on refusing the one that filled it."""
+    sched, _ = make(max_waiting_requests=4, scheduling_policy=policy)
+    for rid in ("h0", "h1", "h2", "h3", "h4", "l0", "l1", "l2"):
+        sched.add_request(of(HEAVY if rid[0] == "h" else LIGHT, rid))
+    turned = refusals(sched)
+    assert list(turned) == turned_away
+    assert "requests are waiting, the server's limit" in turned["l2"][0]
+    assert sched.ledger.accounts["light"].waiting == 3 - sum(rid[0] == "l" for rid in turned)
+
+
 def test_queued_prompt_tokens_are_bounded_per_tenant_and_in_all():
     sched, _ = make(max_queued_tokens=50)
     sched.add_request(of(Tenant("t", max_queued_tokens=20), "t0", prompt_len=16))
