@@ -38,9 +38,13 @@ class Synchronous:
         """When a plan not allowed now falls due by the clock alone (None: not by the clock)."""
         return None
 
+    def planned(self, now: float | None, behind: bool) -> bool:
+        """A plan was made (`behind`: another is in flight). Whether it is a lookahead, whose wait the worker
+        reports comes from planning it late."""
+        return behind
+
     def step_began(self, now: float | None) -> None:
-        """The oldest plan in flight is the step the worker computes now (the one before it ended, or it was sent
-        to an idle worker)."""
+        """The oldest plan in flight is the step the worker computes now: the one before it ended."""
 
     def step_ended(self, now: float | None, late: float) -> None:
         """The oldest step's result came in; it was a lookahead the worker had waited `late` seconds for."""
@@ -72,13 +76,23 @@ class Lookahead:
         if not num_in_flight:
             self.draining = False
             return True
-        return self._may_look_ahead(num_in_flight, drafting) and (now is None or now >= self.times.lookahead_due())
+        if not self._may_look_ahead(num_in_flight, drafting):
+            return False
+        self.times.held = now is not None and now < self.times.lookahead_due()
+        return not self.times.held
 
     def due(self, num_in_flight: int, drafting: bool) -> float | None:
         return self.times.lookahead_due() if self._may_look_ahead(num_in_flight, drafting) else None
 
     def _may_look_ahead(self, num_in_flight: int, drafting: bool) -> bool:
         return num_in_flight == 1 and not self.draining and not drafting
+
+    def planned(self, now: float | None, behind: bool) -> bool:
+        if behind:
+            return True
+        late = self.times.missed_at is not None  # the lookahead the clock held, planned after the step ended
+        self.times.began(now)
+        return late
 
     def step_began(self, now: float | None) -> None:
         self.times.began(now)
@@ -118,9 +132,14 @@ class StepTimes:
         self.began_at: float | None = None  # when the step in flight began (None: no clock, or not timed)
         self.lengths: deque[float] = deque(maxlen=STEPS_TIMED)
         self.waits: deque[float] = deque(maxlen=WAITS_KEPT)
+        self.held = False  # the clock held back the lookahead behind the step in flight
+        self.missed_at: float | None = None  # ...and the step ended first, at this time: the next plan is that one
 
     def began(self, now: float | None) -> None:
-        self.began_at = now
+        """A step began: now, or, for a lookahead planned after the step before it ended, when that one ended (the
+        worker's wait for it is taken off at its result)."""
+        self.began_at = self.missed_at if self.missed_at is not None else now
+        self.missed_at = None
 
     def ended(self, now: float | None, late: float) -> None:
         """A step's result came in at `now`: its length is the time since it began, less the `late` seconds the
@@ -129,6 +148,8 @@ class StepTimes:
         if now is not None and self.began_at is not None:
             self.lengths.append(now - self.began_at - late)
         self.began_at = None
+        self.missed_at = now if self.held else None
+        self.held = False
 
     def lookahead_due(self) -> float:
         """When the lookahead behind the step in flight falls due: the step's expected end less a lead (at once

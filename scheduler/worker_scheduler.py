@@ -73,7 +73,7 @@ class InFlight:
     step_id: int
     chunks: list[Scheduled]
     drafting: bool = False  # a sequence may check a draft: how many tokens it ends with is known only from its result
-    ahead: bool = False  # planned behind another plan in flight (a lookahead)
+    ahead: bool = False  # a lookahead: planned behind another plan in flight, or after it because the clock held it
 
 
 @dataclass(slots=True)
@@ -192,10 +192,8 @@ class WorkerScheduler:
         if not (step.chunks or plan.swap_out or plan.swap_in or plan.copies):
             return None
         plan.freed, self.to_free = self.to_free, []
-        if not self.in_flight:
-            self.pacing.step_began(now)
-        self.in_flight.append(InFlight(plan.step_id, step.chunks, any(c.num_draft for c in step.chunks),
-                                       bool(self.in_flight)))
+        ahead = self.pacing.planned(now, bool(self.in_flight))
+        self.in_flight.append(InFlight(plan.step_id, step.chunks, any(c.num_draft for c in step.chunks), ahead))
         self.num_steps += 1
         return plan
 
@@ -475,7 +473,7 @@ class WorkerScheduler:
         flight = self.in_flight.popleft()
         chunks = flight.chunks
         self.plan_wait += result.waited
-        # (a worker waits for a plan sent to it idle since before the scheduler had anything to plan)
+        # (a worker also waits for a plan sent to it idle, from before the scheduler had anything to plan: no lead)
         self.pacing.step_ended(now, result.waited if flight.ahead else 0.0)
         if self.in_flight:
             self.pacing.step_began(now)

@@ -402,6 +402,21 @@ def test_a_wait_for_a_plan_sent_to_an_idle_worker_does_not_move_the_lookahead():
     assert sched.lookahead_due(1.1) == pytest.approx(1.1 + 0.075), "steps of 100 ms, and no wait for a lookahead"
 
 
+def test_a_lookahead_the_clock_held_past_the_end_of_the_step_widens_the_lead_by_the_workers_wait():
+    """The scheduler got to the lookahead only after the step's result: planned as if to an idle worker, it is still
+    the late lookahead, and the worker's wait for it moves the next ones earlier."""
+    sched, sims = make()
+    sched.add_request(request("r", max_tokens=50))
+    plans = sched.plans("w0", now=0.0)
+    sched.apply_result(sims["w0"].execute(plans[0]).result, now=0.1)
+    assert sched.plans("w0", now=0.12) == [], "held until 0.175"
+    sched.apply_result(sims["w0"].execute(plans[1]).result, now=0.2)  # the step ended first
+    (late,) = sched.plans("w0", now=0.21)
+    sched.apply_result(dataclasses.replace(sims["w0"].execute(late).result, waited=0.01), now=0.31)
+    sched.plans("w0", now=0.31)
+    assert sched.lookahead_due(0.31) == pytest.approx(0.31 + 0.075 - 0.01), "steps of 100 ms; a 10 ms wait"
+
+
 def test_a_sample_that_stops_in_flight_is_skipped_by_the_lookahead_and_freed():
     eos_at_1 = lambda rid, sample, index: EOS if index == 1 else pick(rid, sample, index)  # noqa: E731
     sched, sims = make()

@@ -110,19 +110,22 @@ def test_a_request_arriving_early_in_a_step_joins_the_step_after_it(redis_url, s
     r, results = client.redis, client.keys.results
     client.submit(prompts(1, seed=3)[0], dataclasses.replace(GREEDY, max_tokens=2_000))
     client.wait_for(lambda: len(r.xrange(results, count=10)) == 10, "the first steps to be timed", stack=stack)
-    for _ in range(5):  # the arrival must come well inside the lead (a quarter of a step): retried when late
+    # Tried up to 5 times: an arrival later than 5 ms into the step, or a stall of this machine that made the worker
+    # wait for a plan (the lead then widens for a while), does not tell; before this change every try joined k + 2.
+    joined_at = []
+    for attempt in range(5):
         (_, ((result_id, fields),)), = r.xread({results: r.xrevrange(results, count=1)[0][0]}, block=5_000)
-        rid = client.submit(prompts(1, seed=4)[0], GREEDY)
+        rid = client.submit(prompts(1, seed=4 + attempt)[0], GREEDY)
         arrived = r.xrevrange(client.keys.requests, count=1)[0][0]
-        if _ms(arrived) - _ms(result_id) <= 5:
+        client.wait([rid], stack=stack)
+        if _ms(arrived) - _ms(result_id) > 5:
+            continue
+        step = decode(fields[FIELD.encode()], StepResult).step_id + 1  # the step the worker began with that result
+        plans = [decode(f[FIELD.encode()], StepPlan) for _, f in r.xrange(client.keys.plans("w0"))]
+        joined_at.append(next(p for p in plans if any(s.rid == rid for s in p.new_sequences)).step_id - step)
+        if joined_at[-1] == 1:
             break
-    else:
-        pytest.fail("no request reached Redis within 5 ms of a step's start in 5 tries")
-    client.wait([rid], stack=stack)
-    step = decode(fields[FIELD.encode()], StepResult).step_id + 1  # the step the worker began with that result
-    plans = [decode(f[FIELD.encode()], StepPlan) for _, f in r.xrange(client.keys.plans("w0"))]
-    joined = next(p for p in plans if any(s.rid == rid for s in p.new_sequences))
-    assert joined.step_id == step + 1
+    assert joined_at and joined_at[-1] == 1, f"steps after the one in flight where the arrivals joined: {joined_at}"
 
 
 def _ms(entry_id: bytes) -> int:
