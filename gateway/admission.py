@@ -31,16 +31,16 @@ class Admission:
                               "(max_call_tokens); send fewer prompts, a smaller n or max_tokens",
                               code="call_too_large")
 
-    def admit(self, count: int, waiting_elsewhere: int, now: float, under_share: bool = False) -> None:
+    def admit(self, count: int, waiting_elsewhere: int, now: float, in_share: bool = False) -> None:
         """Reserve `count` places, or raise: 400 for a call that could never fit, 429 (with the wait to advise)
-        while the queue is too full for it, unless its tenant is `under_share` (the fair policy: within its share of
+        while the queue is too full for it, unless its tenant is `in_share` (the fair policy: within its share of
         the queue; shared/tenants.py). `waiting_elsewhere` is the scheduler's own count, when fresh."""
         if count > self.max_waiting:
             raise bad_request(f"this call has {count} prompts; at most {self.max_waiting} requests may wait at "
                               "once (max_waiting_requests); split it", param="prompt", code="call_too_large")
         waiting = max(self.waiting, waiting_elsewhere)
         excess = waiting + count - self.max_waiting
-        if excess > 0 and not under_share:
+        if excess > 0 and not in_share:
             raise rate_limited(f"{waiting} requests are waiting, the limit is {self.max_waiting}",
                                self.drain.retry_after(excess, now))
         self.waiting += count

@@ -100,7 +100,7 @@ class Gateway:
         count = len(call.prompts)
         fair = fresh and self.settings.scheduling_policy == "fair"
         self.admission.admit(count, stats.waiting if fresh else 0, now,
-                             under_share=fair and self.admission.within_share(stats, tenant, count))
+                             in_share=fair and self.admission.within_share(stats, tenant, count))
 
     async def abort(self, rids: list[str], reason: str, log: logging.Logger | logging.LoggerAdapter) -> None:
         try:

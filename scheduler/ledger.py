@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from operator import attrgetter
+from typing import Callable
 
 from shared.drain import Drain
 from shared.protocol import Request
@@ -38,6 +40,10 @@ class Account:
 
     def tokens_in_window(self) -> int:
         return sum(tokens for _, tokens in self.recent)
+
+
+WAITING = attrgetter("waiting")  # what the server's limits count, per account
+QUEUED_TOKENS = attrgetter("queued_tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,22 +84,23 @@ class Ledger:
                            f"is {tenant.tokens_per_minute} per minute", self._window_frees(account))
         waiting = sum(a.waiting for a in self.accounts.values())
         limit = self.settings.max_waiting_requests
-        if waiting >= limit and not self._under_share(account, limit, "waiting", waiting, 1):
+        if waiting >= limit and not self._under_share(account, limit, WAITING, waiting, 1):
             return self._full(f"{waiting} requests are waiting, the server's limit", self.drain, 1)
         queued = sum(a.queued_tokens for a in self.accounts.values())
         limit = self.settings.max_queued_tokens
-        if limit and queued + prompt > limit and not self._under_share(account, limit, "queued_tokens", queued, prompt):
+        if limit and queued + prompt > limit and not self._under_share(account, limit, QUEUED_TOKENS, queued, prompt):
             return self._full(f"{queued} prompt tokens are waiting; this request's {prompt} would pass the server's "
                               f"limit of {limit}", self.drain, 1)
         return None
 
-    def _under_share(self, account: Account, limit: int, held: str, total: int, adding: int) -> bool:
-        """Under the fair policy, whether the tenant stays within its share of the server's limit on `held` (an
-        Account field; `total` in all) when it adds `adding`."""
+    def _under_share(self, account: Account, limit: int, held: Callable[[Account], int], total: int,
+                     adding: int) -> bool:
+        """Under the fair policy, whether the tenant stays within its share of the server's limit on what `held`
+        counts (`total` in all) when it adds `adding`."""
         if self.settings.scheduling_policy != "fair":
             return False
-        weights = sum(a.tenant.weight for a in self.accounts.values() if getattr(a, held) or a is account)
-        return under_share(limit, total, getattr(account, held), adding, account.tenant.weight, weights)
+        weights = sum(a.tenant.weight for a in self.accounts.values() if held(a) or a is account)
+        return under_share(limit, total, held(account), adding, account.tenant.weight, weights)
 
     def _full(self, message: str, drain: Drain, excess: int) -> Refusal:
         return Refusal(message, drain.retry_after(excess, self.now))

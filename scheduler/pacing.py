@@ -43,11 +43,9 @@ class Synchronous:
         reports comes from planning it late."""
         return behind
 
-    def step_began(self, now: float | None) -> None:
-        """The oldest plan in flight is the step the worker computes now: the one before it ended."""
-
-    def step_ended(self, now: float | None, late: float) -> None:
-        """The oldest step's result came in; it was a lookahead the worker had waited `late` seconds for."""
+    def step_ended(self, now: float | None, late: float, next_in_flight: bool) -> None:
+        """The oldest step's result came in; it was a lookahead the worker had waited `late` seconds for
+        (`next_in_flight`: the worker computes the plan after it now)."""
 
     def target(self, rs: RequestState, seq: SeqState, known: int) -> int:
         """The tokens the sequence's KV should cover, given the `known` ones it has to."""
@@ -94,11 +92,10 @@ class Lookahead:
         self.times.began(now)
         return late
 
-    def step_began(self, now: float | None) -> None:
-        self.times.began(now)
-
-    def step_ended(self, now: float | None, late: float) -> None:
+    def step_ended(self, now: float | None, late: float, next_in_flight: bool) -> None:
         self.times.ended(now, late)
+        if next_in_flight:
+            self.times.began(now)
 
     def target(self, rs: RequestState, seq: SeqState, known: int) -> int:
         if seq.num_placeholders and self._token_in_flight_ends(rs, seq):

@@ -474,9 +474,7 @@ class WorkerScheduler:
         chunks = flight.chunks
         self.plan_wait += result.waited
         # (a worker also waits for a plan sent to it idle, from before the scheduler had anything to plan: no lead)
-        self.pacing.step_ended(now, result.waited if flight.ahead else 0.0)
-        if self.in_flight:
-            self.pacing.step_began(now)
+        self.pacing.step_ended(now, result.waited if flight.ahead else 0.0, bool(self.in_flight))
         if result.error is not None:
             for rs in {id(c.rs): c.rs for c in chunks}.values():
                 if rs.status is Status.RUNNING:

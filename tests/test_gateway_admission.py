@@ -47,7 +47,7 @@ def test_under_fair_a_tenant_within_its_share_of_the_waiting_limit_joins_a_full_
     assert not a.within_share(stats, heavy, 1)
     assert a.within_share(stats, Tenant("new"), 1), "a tenant with nothing waiting: 8 x 1 / 5"
     assert not a.within_share(dataclasses.replace(stats, waiting=16), light, 1), "never past twice the limit"
-    assert status_of(lambda: a.admit(4, 8, 0.0, under_share=True)) == 200 and a.waiting == 4
+    assert status_of(lambda: a.admit(4, 8, 0.0, in_share=True)) == 200 and a.waiting == 4
     assert status_of(lambda: a.admit(1, 8, 0.0)) == 429
 
 
