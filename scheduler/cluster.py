@@ -10,7 +10,6 @@ scheduler service only reads, decodes, calls these, and writes.
 from __future__ import annotations
 
 import bisect
-import itertools
 import sys
 from dataclasses import dataclass, field
 
@@ -60,7 +59,6 @@ class Cluster:
         self.oldest_steps: dict[str, tuple[int, float]] = {}  # worker id → (its oldest step in flight, seen since)
         self.ids = Ids()
         self.ledger = Ledger(settings)
-        self._order = itertools.count()
         self._past_preemptions = 0  # of workers removed since
 
     @property
@@ -200,7 +198,7 @@ class Cluster:
                                            retry_after=refusal.retry_after)])
             return True
         params = req.params
-        rank = (req.priority if self.settings.scheduling_policy == "priority" else 0, next(self._order))
+        rank = (req.priority if self.settings.scheduling_policy == "priority" else 0, next(self.ids.ranks))
         if params.beam_width:  # its samples are the live beams: one to begin with (a restart begins again)
             rs = RequestState(req, rank, [[]], [None],
                               group=BeamGroup(search=BeamSearch(params.beam_width, params.length_penalty,

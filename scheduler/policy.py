@@ -11,6 +11,8 @@ preempted and waiting requests.
   of the worker's sequences, when its own tenant is within its share once seated: without that a light tenant's
   request waits for a heavy one to finish, however low its counter. Shares, not counters, decide it, and the
   victim's tenant was over its share, so it cannot preempt back: two tenants never preempt each other back and forth.
+  Nor does the cache trade them back: the victim goes behind the request it made room for, so that growing, which
+  preempts the last-ranked running request, takes the victim again if anything (scheduler/worker_scheduler.py).
 
 A policy's `victim(ws, head)` names the running request to preempt so that `head`, the first to admit, fits, or
 None: then `head` waits.

@@ -11,7 +11,8 @@ One step shares a token budget (`max_num_batched_tokens`) and a sequence cap (`m
    (scheduler/policy.py), each admitted only if its blocks fit above the watermark, until one does not; one whose
    tenant runs its most sequences already is passed over. Before any chunk is planned, a first request that does
    not fit preempts the running request its policy names, if any (priority: the last one, when it outranks it;
-   fair: the latest of the tenant furthest over its share).
+   fair: the latest of the tenant furthest over its share; one ranked before the first request goes behind it). A
+   request preempted in a step waits for the next one.
 A request's samples (n > 1) share its prompt: the first computes it alone, then the others fork from it
 and share its blocks, copying a block on their first write into it (copy-on-write); its group (scheduler/groups.py:
 samples, or a beam search's beams) says what its next chunks are and what a step's result does to it. Plans are deltas
@@ -52,9 +53,10 @@ ORDER = attrgetter("rank")
 @dataclass(slots=True)
 class Ids:
     """Id sources shared by every worker's scheduler: a worker dropped and added again never sees a step id
-    or a sequence id twice."""
+    or a sequence id twice; arrivals (a request's rank after its priority) are counted across the cluster."""
     steps: itertools.count = field(default_factory=itertools.count)
     seqs: itertools.count = field(default_factory=itertools.count)
+    ranks: itertools.count = field(default_factory=itertools.count)
 
 
 @dataclass(slots=True)
@@ -83,7 +85,8 @@ class StepBuilder:
     seqs_left: int
     chunks: list[Scheduled] = field(default_factory=list)
     running_seqs: int = 0  # sequences of running requests, kept up to date while admitting
-    preempted: bool = False
+    preempted: bool = False  # a running request's chunks preempted another
+    victims: list[RequestState] = field(default_factory=list)  # preempted in this step: they wait for the next one
     blocked: bool = False  # short of blocks where it may not preempt: the step ends here
 
     @property
@@ -318,6 +321,7 @@ class WorkerScheduler:
         return child
 
     def _preempt(self, rs: RequestState, step: StepBuilder) -> None:
+        step.victims.append(rs)
         self.running.remove(rs)
         self.unseat(rs)
         self.num_preemptions += 1
@@ -352,8 +356,9 @@ class WorkerScheduler:
         for rs in self.policy.order(self):
             if step.full:
                 return
-            if not self.ledger.may_seat(rs.req.tenant, len(rs.live_samples)):
-                continue  # its tenant runs its most sequences: the others' requests go on
+            if rs in step.victims or not self.ledger.may_seat(rs.req.tenant, len(rs.live_samples)):
+                continue  # preempted in this step (back at once, it would undo that), or its tenant runs its most
+                # sequences: the others go on
             if not (self._swap_in(rs, step) if rs.status is Status.SWAPPED else self._admit(rs, step)):
                 return
             (self.preempted if rs in self.preempted else self.waiting).remove(rs)
@@ -370,6 +375,9 @@ class WorkerScheduler:
                 return True
             if not self.pacing.may_make_room(len(self.in_flight)):
                 return False
+            if victim.rank < head.rank:  # (fair: a share, not the rank, named it) it goes behind the head, or the
+                # cache's growth, which preempts the last-ranked, could take the head's seat back, and so on
+                victim.rank = (victim.rank[0], next(self.ids.ranks))
             self._preempt(victim, step)
         return True
 

@@ -1,6 +1,7 @@
 """Property test of the scheduler core: random interleavings of arrivals, steps, results, aborts and
 worker loss, with tiny block pools so that prefix hits, copy-on-write, preemption (both modes) and
-rejection all happen. Plans run on SimWorker, whose shadow cache checks every position a step reads.
+rejection all happen, under each scheduling policy. Plans run on SimWorker, whose shadow cache checks every
+position a step reads.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from scheduler.cluster import Cluster
 from shared.protocol import Request, WorkerRegistration
 from shared.sampling import SamplingParams
 from shared.settings import Settings
+from shared.tenants import Tenant
 
 BS = 8
 EOS = 1
@@ -29,7 +31,9 @@ MAX_DRAIN_STEPS = 5000  # rounds; slow configurations (one sequence a step) need
 worker_spec = st.tuples(st.integers(4, 10), st.integers(0, 20), st.integers(24, 80))
 request_spec = st.tuples(st.sampled_from(PREFIXES), st.lists(st.sampled_from(VOCAB), min_size=1, max_size=24),
                          st.integers(1, 3), st.integers(1, 16), st.booleans(), st.sampled_from([[], [5]]),
-                         st.sampled_from([0, 0, 2, 3]))  # beam width (0: sampling)
+                         st.sampled_from([0, 0, 2, 3]),  # beam width (0: sampling)
+                         st.integers(0, 2))  # priority, and of two tenants which (by its parity)
+TENANTS = (Tenant("even"), Tenant("odd", weight=2.0))
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -37,6 +41,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         budget=st.sampled_from([8, 16, 64]),
         max_seqs=st.sampled_from([1, 2, 4, 8]),
         mode=st.sampled_from(["recompute", "swap"]),
+        policy=st.sampled_from(["fcfs", "priority", "fair"]),
         caching=st.booleans(),
         watermark=st.sampled_from([0.0, 0.1]),
         reservation=st.sampled_from(["paged", "paged", "max_model_len"]),
@@ -44,8 +49,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         speculation=st.booleans(),
         specs=st.lists(worker_spec, min_size=1, max_size=2),
     )
-    def setup(self, budget, max_seqs, mode, caching, watermark, reservation, lookahead, speculation, specs):
+    def setup(self, budget, max_seqs, mode, policy, caching, watermark, reservation, lookahead, speculation, specs):
         settings = Settings(block_size=BS, max_num_batched_tokens=budget, max_num_seqs=max_seqs, preemption_mode=mode,
+                            scheduling_policy=policy,
                             enable_prefix_caching=caching, watermark=watermark, async_scheduling=lookahead,
                             speculative_config=SPECULATION if speculation else "")
         # the benchmarks' contiguous-reservation baseline runs on the same core: check it too
@@ -58,6 +64,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.record: dict[str, list[list[int]]] = {}
         self.aborted: set[str] = set()
         self.ended: dict[str, str] = {}
+        self.roots: set[bytes] = set()  # where each tenant's chain of block hashes starts
         self.ids = itertools.count()
         self.draw_token = lambda: VOCAB[0]
         self.draw_count = lambda n: n  # drafts: a count in 0..n, drawn per step like the tokens
@@ -78,19 +85,22 @@ class SchedulerMachine(RuleBasedStateMachine):
     # ---- rules ----------------------------------------------------------------------------
     @rule(batch=st.lists(request_spec, min_size=1, max_size=4))
     def arrive(self, batch):
-        for prefix, suffix, n, max_tokens, ignore_eos, stop, width in batch:
+        for prefix, suffix, n, max_tokens, ignore_eos, stop, width, priority in batch:
             rid = f"r{next(self.ids)}"
             params = SamplingParams(n=min(n, width or n), max_tokens=max_tokens, ignore_eos=ignore_eos,
                                     stop_token_ids=stop, beam_width=width)
-            req = Request(rid, "model", prefix + suffix, params, 0.0)
+            req = Request(rid, "model", prefix + suffix, params, 0.0, tenant=TENANTS[priority % 2], priority=priority)
             self.requests[rid] = req
             if not width:  # (beams are reordered every step: their tokens are checked at the end)
                 self.record[rid] = [[] for _ in range(n)]
             self.sched.add_request(req)
+            if rid in self.sched.requests:
+                self.roots.add(self.sched.requests[rid].root)
 
     @rule(data=st.data(), index=st.integers(0, 1))
     def step(self, data, index):
         wid = self._worker(index)
+        preemptions = self.sched.num_preemptions
         plan = self.sched.schedule(wid)
         in_flight = len(self.pending.get(wid, ()))
         if in_flight and (in_flight > 1 or not self.sched.settings.async_scheduling):
@@ -111,6 +121,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert new.output_token_ids == self.record[new.rid][new.sample_index], "generated tokens are kept"
         event(f"plan: copies={bool(plan.copies)} swap_out={bool(plan.swap_out)} swap_in={bool(plan.swap_in)}")
         event(f"plan: lookahead={in_flight > 0}")
+        event(f"plan: lookahead preempts={in_flight > 0 and self.sched.num_preemptions > preemptions}")
         event(f"plan: drafts={any(s.num_draft_tokens for s in plan.scheduled)}")
         self.draw_token = lambda: data.draw(st.sampled_from([EOS] + VOCAB), label="token")
         self.draw_count = lambda n: data.draw(st.integers(0, n), label="draft count")
@@ -207,7 +218,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 content = sim.block_content(block.block_id)
                 prefix = content[-1]
                 assert prefix is not None and all(c == prefix[:len(prefix) - BS + k + 1] for k, c in enumerate(content))
-                assert hash_full_blocks(list(prefix), BS, ws.kv.extra)[-1] == block_hash
+                assert block_hash in {hash_full_blocks(list(prefix), BS, ws.kv.extra, root=r)[-1] for r in self.roots}
 
     @invariant()
     def outputs_only_grow_and_requests_end_once(self):

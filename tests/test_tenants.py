@@ -7,9 +7,10 @@ import pytest
 
 from sched_sim import drive
 from scheduler.ledger import DECODE_COST
+from scheduler.request import Status
 from shared.protocol import OVERLOADED, Request
 from shared.tenants import Keys, Tenant, TenantError, parse_keys
-from test_scheduler_core import make, request
+from test_scheduler_core import make, pick, request
 
 LIGHT, HEAVY = Tenant("light"), Tenant("heavy")
 
@@ -170,6 +171,23 @@ def test_under_fair_a_tenant_under_its_share_of_the_batch_preempts_the_latest_of
         outputs.setdefault((out.rid, 0), []).append(out.token_id)
     drive(sched, sims, outputs)
     assert {rid: len(t) for (rid, _), t in outputs.items()} == {**{f"heavy-{i}": 30 for i in range(6)}, "light": 4}
+
+
+def test_under_fair_the_request_preempted_for_a_share_goes_behind_it_so_the_cache_never_trades_them_back():
+    """Heavy's five samples fill the cache. Light's request preempts them for its share; heavy's request comes back
+    on the blocks left and grows: the cache's growth preempts the last-ranked, which is heavy's, not light's again."""
+    sched, sims = make(num_blocks=7, scheduling_policy="fair", max_num_seqs=8, enable_prefix_caching=False)
+    sched.add_request(of(HEAVY, "heavy", n=5, max_tokens=8))
+    outputs: dict = {}
+    drive(sched, sims, outputs, rounds=3)
+    assert running(sched) == ["heavy"] and sched.workers["w0"].kv.num_free == 0
+    sched.add_request(of(LIGHT, "light", prompt_len=16, max_tokens=20))
+    while sched.requests["light"].status is not Status.FINISHED:
+        drive(sched, sims, outputs, rounds=1)
+        assert "light" not in [rs.rid for rs in sched.workers["w0"].preempted], "light's seat was taken back"
+    drive(sched, sims, outputs)
+    assert outputs[("light", 0)] == [pick("light", 0, i) for i in range(20)]
+    assert all(outputs[("heavy", i)] == [pick("heavy", i, k) for k in range(8)] for i in range(5))
 
 
 @pytest.mark.parametrize("light_running", [0, 2])
