@@ -98,8 +98,9 @@ class SamplingGroup(ForkingGroup):
                                ws.reg.eos_token_ids)
         if reason is None:
             return
-        ws.drop(seq)
-        rs.seqs.remove(seq)
+        if seq in rs.seqs:  # (a request preempted while its token was in flight holds no sequence)
+            ws.drop(seq)
+            rs.seqs.remove(seq)
         rs.reasons[seq.sample_index] = rs.last_reason = reason
         if rs.done:
             ws.finish(rs, reason)

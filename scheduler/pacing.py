@@ -3,8 +3,10 @@ while the worker computes it (`Lookahead`, async scheduling).
 
 A lookahead plans as if each sequence sampled in the step in flight had its coming token already: one placeholder
 each, whose id the worker fills in itself (it runs plans in order, and results come back in order, so blocks freed
-meanwhile are reused only by later plans). A lookahead never preempts, since a sequence in flight cannot give back
-its token: short of blocks, it ends there, and the worker's pipeline drains before the full step that makes room.
+meanwhile are reused only by later plans). A lookahead preempts no running request to grow another: short of blocks,
+it ends there, and the worker's pipeline drains before the full step that makes room. Admission's preemption for a
+request that outranks a running one (scheduler/policy.py) it makes by recompute, the victim's token in flight
+counting when it comes back (scheduler/worker_scheduler.py); where that cannot be (swap), the pipeline drains too.
 Nor is a plan made behind one in which a sequence checks a draft (speculative decoding): how many tokens that
 sequence ends the step with is known only from its result.
 
@@ -52,7 +54,8 @@ class Synchronous:
         return known
 
     def may_make_room(self, num_in_flight: int) -> bool:
-        """A running request's chunks do not fit: may the step preempt (True), or must it end here?"""
+        """The step needs a preemption (a running request's chunks do not fit, or admission's victim cannot leave while
+        a step computes its tokens): may it preempt (True), or must it end here?"""
         return True
 
     def scheduled(self, seq: SeqState, emits_token: bool) -> None:

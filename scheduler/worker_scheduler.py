@@ -12,7 +12,8 @@ One step shares a token budget (`max_num_batched_tokens`) and a sequence cap (`m
    tenant runs its most sequences already is passed over. Before any chunk is planned, a first request that does
    not fit preempts the running request its policy names, if any (priority: the last one, when it outranks it;
    fair: the latest of the tenant furthest over its share; one ranked before the first request goes behind it). A
-   request preempted in a step waits for the next one.
+   lookahead does so too, by recompute: the victim's tokens in flight count when they come back (its worker streams
+   them). A request preempted in a step waits for the next one.
 A request's samples (n > 1) share its prompt: the first computes it alone, then the others fork from it
 and share its blocks, copying a block on their first write into it (copy-on-write); its group (scheduler/groups.py:
 samples, or a beam search's beams) says what its next chunks are and what a step's result does to it. Plans are deltas
@@ -48,6 +49,9 @@ from shared.protocol import (
 from shared.settings import Settings
 
 ORDER = attrgetter("rank")
+# What a step's result still acts on: its running requests, and those a lookahead preempted while the step computed
+# their tokens (a recompute-preempted request has a chunk in flight only then: every other plan is made with none).
+LIVE = (Status.RUNNING, Status.PREEMPTED)
 
 
 @dataclass(slots=True)
@@ -357,8 +361,9 @@ class WorkerScheduler:
             if step.full:
                 return
             if rs in step.victims or not self.ledger.may_seat(rs.req.tenant, len(rs.live_samples)):
-                continue  # preempted in this step (back at once, it would undo that), or its tenant runs its most
-                # sequences: the others go on
+                # Preempted in this step (back at once, it would undo that; a lookahead's victim has its token in
+                # flight still), or its tenant runs its most sequences: the others go on.
+                continue
             if not (self._swap_in(rs, step) if rs.status is Status.SWAPPED else self._admit(rs, step)):
                 return
             (self.preempted if rs in self.preempted else self.waiting).remove(rs)
@@ -373,13 +378,18 @@ class WorkerScheduler:
             victim = self.policy.victim(self, head)
             if victim is None:
                 return True
-            if not self.pacing.may_make_room(len(self.in_flight)):
+            if not (self._may_preempt_in_flight(victim) or self.pacing.may_make_room(len(self.in_flight))):
                 return False
             if victim.rank < head.rank:  # (fair: a share, not the rank, named it) it goes behind the head, or the
                 # cache's growth, which preempts the last-ranked, could take the head's seat back, and so on
                 victim.rank = (victim.rank[0], next(self.ids.ranks))
             self._preempt(victim, step)
         return True
+
+    def _may_preempt_in_flight(self, victim: RequestState) -> bool:
+        """Whether the victim can leave while a step computes its tokens: by recompute, as its sampled tokens then
+        only add to its outputs (a swap would move blocks the step writes; a beam's candidates need its search)."""
+        return self.settings.preemption_mode == "recompute" and victim.group.samples_tokens
 
     def _fits(self, rs: RequestState) -> bool:
         settings, kv = self.settings, self.kv
@@ -485,14 +495,16 @@ class WorkerScheduler:
         self.pacing.step_ended(now, result.waited if flight.ahead else 0.0, bool(self.in_flight))
         if result.error is not None:
             for rs in {id(c.rs): c.rs for c in chunks}.values():
-                if rs.status is Status.RUNNING:
+                if rs.status in LIVE:
                     self.finish(rs, "error", f"worker {self.worker_id} failed the step: {result.error}", FAILED)
             return
         emitting: dict[int, Scheduled] = {}  # seq id → its chunk that reached the end
         reporting: dict[int, Scheduled] = {}  # beams: seq id → its chunk that reached the end
         for c in chunks:
             if c.rs.status is not Status.RUNNING or c.seq not in c.rs.seqs:
-                continue  # aborted, or its sample ended, while in flight
+                if c.emits_token and c.rs.status is Status.PREEMPTED:
+                    emitting[c.seq.seq_id] = c  # preempted while in flight: its token alone counts
+                continue  # else aborted, or its sample ended, while in flight
             self.kv.commit(c.seq.seq_id, c.rs.prompt, c.rs.outputs[c.seq.sample_index], c.start + c.num_new,
                            c.rs.root)
             if c.emits_token:
@@ -501,12 +513,12 @@ class WorkerScheduler:
                 reporting[c.seq.seq_id] = c
         for refused in result.refused:  # the worker could not run this request's sequences
             rs = next((c.rs for c in chunks if c.rs.rid == refused.rid), None)
-            if rs is not None and rs.status is Status.RUNNING:
+            if rs is not None and rs.status in LIVE:
                 self.finish(rs, "error", refused.error, FAILED)
         received: dict[int, int] = {}  # seq id → tokens it emitted in this step
         for seq_id, token_id in zip(result.seq_ids, result.token_ids):
             c = emitting.get(seq_id)
-            if c is None or c.rs.status is not Status.RUNNING or c.seq not in c.rs.seqs:
+            if c is None or not _takes_token(c):
                 continue
             n = received.get(seq_id, 0)
             if n > c.num_draft:  # more tokens than its draft allows: not this step's
@@ -525,7 +537,7 @@ class WorkerScheduler:
         for c in [*missing, *reporting.values()]:
             # The worker samples every sequence a plan asks it to and skips only those it saw end, as the
             # scheduler does: a token missing here means the two disagree, and sampling again could loop.
-            if c.rs.status is Status.RUNNING:
+            if c.rs.status in LIVE:
                 self.finish(c.rs, "error", f"worker {self.worker_id} returned no token for sample "
                                            f"{c.seq.sample_index} in step {result.step_id}", FAILED)
 
@@ -581,6 +593,12 @@ class WorkerScheduler:
 
 # How a cluster makes each worker's scheduler: WorkerScheduler itself, or one given another reservation.
 WorkerSchedulerFactory = Callable[[WorkerRegistration, Settings, int, Ids, Ledger], WorkerScheduler]
+
+
+def _takes_token(c: Scheduled) -> bool:
+    """Whether the token sampled at the end of the chunk counts: its sequence runs on, or its request was preempted
+    while it was in flight."""
+    return c.rs.status is Status.PREEMPTED or (c.rs.status is Status.RUNNING and c.seq in c.rs.seqs)
 
 
 def _writes(chunks: list[Chunk]) -> list[Write]:

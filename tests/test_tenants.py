@@ -62,23 +62,71 @@ def test_under_priority_a_more_urgent_arrival_preempts_the_least_urgent_running_
     assert sched.num_preemptions == 1 and not sched.has_unfinished(), "the preempted one resumed and finished"
 
 
-def test_with_a_plan_in_flight_an_arrival_that_needs_room_gets_the_next_plan_not_a_lookahead_behind_it():
-    """Async scheduling may plan a step while one computes, but a preemption waits for the flight to land: planning
-    a lookahead then would hold the urgent request out one step more."""
+def test_with_a_step_in_flight_an_urgent_arrival_takes_a_seat_in_the_lookahead_and_the_victims_token_stands():
+    """Async scheduling plans a step while one computes: the urgent request preempts the least urgent one in that
+    lookahead, by recompute. The victim's token in the step in flight was streamed, so it counts: the victim resumes
+    after it, every stream exact, each output index once."""
     sched, sims = make(scheduling_policy="priority", max_num_seqs=2, async_scheduling=True)
+    for rid, priority in (("low-a", 5), ("low-b", 9)):
+        sched.add_request(of(HEAVY, rid, priority, max_tokens=40))
+    outputs: dict = {}
+    drive(sched, sims, outputs, rounds=3)
+    in_flight = sched.schedule("w0")
+    victim = sched.requests["low-b"]
+    (victim_seq,) = [s.seq_id for s in victim.seqs]
+    sched.add_request(of(LIGHT, "urgent", -1, max_tokens=4))
+    lookahead = sched.schedule("w0")
+    assert [s.rid for s in lookahead.new_sequences] == ["urgent"] and lookahead.freed == [victim_seq]
+    assert running(sched) == ["urgent", "low-a"] and victim.status is Status.PREEMPTED
+    for plan in (in_flight, lookahead):
+        outcome = sims["w0"].execute(plan)
+        sched.apply_result(outcome.result)
+        for out in outcome.outputs:
+            outputs.setdefault((out.rid, 0), []).append(out.token_id)
+        if plan is in_flight:
+            assert victim.outputs == [outputs[("low-b", 0)]], "its token in flight counts"
+    drive(sched, sims, outputs)
+    assert outputs == {(rid, 0): [pick(rid, 0, i) for i in range(n)]
+                       for rid, n in (("low-a", 40), ("low-b", 40), ("urgent", 4))}
+    assert sched.num_preemptions == 1 and not sched.has_unfinished()
+
+
+def test_a_request_preempted_in_a_step_is_not_admitted_back_in_it_even_where_it_would_fit():
+    """The room the urgent request needed counts the blocks the running ones grow into; once it is in, what the victim
+    gave back would seat the victim again. It waits for the next step: in a lookahead its token is still in flight."""
+    sched, sims = make(num_blocks=8, scheduling_policy="priority", async_scheduling=True, enable_prefix_caching=False)
+    sched.add_request(of(HEAVY, "low-a", 5, max_tokens=30))
+    sched.add_request(of(HEAVY, "low-b", 9, max_tokens=30))
+    outputs: dict = {}
+    drive(sched, sims, outputs, rounds=8)
+    in_flight = sched.schedule("w0")
+    sched.add_request(of(LIGHT, "urgent", -1, prompt_len=16, max_tokens=4))
+    lookahead = sched.schedule("w0")
+    assert [s.rid for s in lookahead.new_sequences] == ["urgent"]
+    assert [rs.rid for rs in sched.workers["w0"].preempted] == ["low-b"] and sched.workers["w0"].kv.num_free >= 2
+    for plan in (in_flight, lookahead):
+        outcome = sims["w0"].execute(plan)
+        sched.apply_result(outcome.result)
+        for out in outcome.outputs:
+            outputs.setdefault((out.rid, 0), []).append(out.token_id)
+    drive(sched, sims, outputs)
+    assert outputs[("low-b", 0)] == [pick("low-b", 0, i) for i in range(30)]
+
+
+def test_under_swap_preemption_an_urgent_arrival_gets_the_plan_after_the_flight_lands_not_a_lookahead():
+    """A swap would move the blocks the step in flight writes: the pipeline drains, and the next plan preempts."""
+    sched, sims = make(num_swap=16, scheduling_policy="priority", max_num_seqs=2, async_scheduling=True,
+                       preemption_mode="swap")
     for rid in ("low-a", "low-b"):
         sched.add_request(of(HEAVY, rid, 5, max_tokens=40))
     drive(sched, sims, rounds=3)
     in_flight = sched.schedule("w0")
-    lookahead = sched.schedule("w0")
-    assert in_flight is not None and lookahead is not None, "a lookahead behind a step in flight"
-    sched.apply_result(sims["w0"].execute(in_flight).result)
     sched.add_request(of(LIGHT, "urgent", -1, max_tokens=4))
     assert sched.schedule("w0") is None, "no lookahead that leaves the urgent request out"
     assert running(sched) == ["low-a", "low-b"]
-    sched.apply_result(sims["w0"].execute(lookahead).result)
+    sched.apply_result(sims["w0"].execute(in_flight).result)
     plan = sched.schedule("w0")
-    assert [s.rid for s in plan.new_sequences] == ["urgent"] and running(sched) == ["urgent", "low-a"]
+    assert [s.rid for s in plan.new_sequences] == ["urgent"] and plan.swap_out and running(sched) == ["urgent", "low-a"]
 
 
 def test_under_priority_an_equal_or_less_urgent_arrival_waits_for_room():
