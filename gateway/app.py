@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import re
 import uuid
@@ -256,9 +257,28 @@ async def create_app(settings: Settings, model: ServedModel | None = None) -> we
     return build_app(Gateway(settings, model, bus, admission, KeyRing(settings)))
 
 
+async def _process_app(settings: Settings) -> web.Application:
+    """The gateway as its own process runs it: what start-up made (modules, the tokenizer, the chat-template renderer)
+    lives as long as the process, so once it is all in, it goes out of the garbage collector's sight, and full
+    collections stop scanning it: each stalls every stream of the gateway. Not in create_app: tests run many apps in
+    one process, whose garbage must stay collectable."""
+    app = await create_app(settings)
+    app.on_startup.append(_freeze_after_warm_up)
+    return app
+
+
+async def _freeze_after_warm_up(app: web.Application) -> None:
+    gw = app[GATEWAY]
+
+    async def freeze() -> None:
+        await asyncio.to_thread(gw.model.tokenizer.warm_up)  # (the start-up's own warm-up may be under way)
+        gc.freeze()
+    gw.spawn(freeze())
+
+
 def run(settings: Settings) -> int:
     """Serve until SIGINT/SIGTERM; in-flight requests are aborted on the bus as their handlers end."""
     log.info("gateway starting on http://%s:%d", settings.host, settings.port)
-    web.run_app(create_app(settings), host=settings.host, port=settings.port, handler_cancellation=True,
+    web.run_app(_process_app(settings), host=settings.host, port=settings.port, handler_cancellation=True,
                 shutdown_timeout=SHUTDOWN_TIMEOUT_S, print=None, access_log_class=AccessLog, **SERVER_OPTIONS)
     return 0
