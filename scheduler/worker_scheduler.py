@@ -355,15 +355,20 @@ class WorkerScheduler:
 
     # ---- admission ------------------------------------------------------------------------
     def _admit_all(self, step: StepBuilder) -> None:
-        """Admit preempted and waiting requests in the policy's order until one does not fit."""
+        """Admit preempted and waiting requests in the policy's order until one does not fit. One preempted in this
+        step waits for the next (back at once, it would undo that; a lookahead's victim has its token in flight still),
+        unless nothing would run then: with no plan in flight, the worker takes it back rather than idle."""
         step.running_seqs = self.num_running_seqs
+        self._admit_in_order(step, passed_over=step.victims)
+        if step.victims and not self.running and not self.in_flight:
+            self._admit_in_order(step, passed_over=[])
+
+    def _admit_in_order(self, step: StepBuilder, passed_over: list[RequestState]) -> None:
         for rs in self.policy.order(self):
             if step.full:
                 return
-            if rs in step.victims or not self.ledger.may_seat(rs.req.tenant, len(rs.live_samples)):
-                # Preempted in this step (back at once, it would undo that; a lookahead's victim has its token in
-                # flight still), or its tenant runs its most sequences: the others go on.
-                continue
+            if rs in passed_over or not self.ledger.may_seat(rs.req.tenant, len(rs.live_samples)):
+                continue  # (or its tenant runs its most sequences: the others' requests go on)
             if not (self._swap_in(rs, step) if rs.status is Status.SWAPPED else self._admit(rs, step)):
                 return
             (self.preempted if rs in self.preempted else self.waiting).remove(rs)

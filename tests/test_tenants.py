@@ -129,6 +129,19 @@ def test_under_swap_preemption_an_urgent_arrival_gets_the_plan_after_the_flight_
     assert [s.rid for s in plan.new_sequences] == ["urgent"] and plan.swap_out and running(sched) == ["urgent", "low-a"]
 
 
+def test_a_request_preempted_for_one_that_then_ends_short_of_blocks_runs_in_that_step_rather_than_the_worker_idle():
+    """Growing, the urgent request's samples preempt the other request and still do not fit, so it ends alone in the
+    cache ('length'): the request it preempted is taken back in the same step, not left waiting on an idle worker."""
+    sched, sims = make(num_blocks=4, max_model_len=24, max_num_batched_tokens=8, enable_prefix_caching=False,
+                       scheduling_policy="priority")
+    sched.add_request(of(HEAVY, "first", prompt_len=4, max_tokens=1))
+    sched.add_request(of(HEAVY, "low", 2, prompt=[2], n=3, max_tokens=1))
+    sched.add_request(of(HEAVY, "urgent", prompt=[2, 2, 2], n=3, max_tokens=12))
+    drive(sched, sims)  # (it asserts that a worker gets a plan whenever requests wait)
+    ends = {done.rid: done.finish_reason for done in sched.pop_finished()}
+    assert ends == {"first": "length", "low": "length", "urgent": "length"} and sched.num_preemptions >= 1
+
+
 def test_under_priority_an_equal_or_less_urgent_arrival_waits_for_room():
     sched, sims = make(scheduling_policy="priority", max_num_seqs=2)
     for rid in ("a", "b"):
