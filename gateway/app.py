@@ -197,11 +197,24 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
+# The app is its own process's (`run`): once start-up is all in, what it made (modules, the tokenizer, the
+# chat-template renderer) lives as long as the process, so it goes out of the garbage collector's sight, and full
+# collections, each of which stalls every stream of the gateway, stop scanning it. Not for the apps tests run, many to
+# a process, whose garbage must stay collectable.
+FREEZE_START_UP = web.AppKey("freeze_start_up", bool)
+
+
 async def _on_startup(app: web.Application) -> None:
     gw = app[GATEWAY]
     gw.bus.start()
+    gw.spawn(_warm_up(gw, app.get(FREEZE_START_UP, False)))
+
+
+async def _warm_up(gw: Gateway, freeze: bool) -> None:
     # the chat-template renderer takes seconds to import: serve meanwhile (a chat request waits for it)
-    gw.spawn(asyncio.to_thread(gw.model.tokenizer.warm_up))
+    await asyncio.to_thread(gw.model.tokenizer.warm_up)
+    if freeze:
+        gc.freeze()
 
 
 async def _watching_keys(app: web.Application) -> AsyncIterator[None]:
@@ -258,22 +271,9 @@ async def create_app(settings: Settings, model: ServedModel | None = None) -> we
 
 
 async def _process_app(settings: Settings) -> web.Application:
-    """The gateway as its own process runs it: what start-up made (modules, the tokenizer, the chat-template renderer)
-    lives as long as the process, so once it is all in, it goes out of the garbage collector's sight, and full
-    collections stop scanning it: each stalls every stream of the gateway. Not in create_app: tests run many apps in
-    one process, whose garbage must stay collectable."""
     app = await create_app(settings)
-    app.on_startup.append(_freeze_after_warm_up)
+    app[FREEZE_START_UP] = True
     return app
-
-
-async def _freeze_after_warm_up(app: web.Application) -> None:
-    gw = app[GATEWAY]
-
-    async def freeze() -> None:
-        await asyncio.to_thread(gw.model.tokenizer.warm_up)  # (the start-up's own warm-up may be under way)
-        gc.freeze()
-    gw.spawn(freeze())
 
 
 def run(settings: Settings) -> int:
