@@ -101,15 +101,13 @@ class Lookahead:
             self.times.began(now)
 
     def target(self, rs: RequestState, seq: SeqState, known: int) -> int:
-        if seq.num_placeholders and self._token_in_flight_ends(rs, seq):
-            return seq.num_computed  # nothing after a token that is sure to be its last
-        return known + seq.num_placeholders
-
-    def _token_in_flight_ends(self, rs: RequestState, seq: SeqState) -> bool:
-        """Whether the sequence's tokens in flight are sure to end it (max_tokens or max_model_len; an EOS
-        cannot be foreseen: the worker skips a sequence it saw end)."""
-        return (len(rs.outputs[seq.sample_index]) + seq.num_placeholders >= rs.req.params.max_tokens
-                or rs.num_tokens(seq) + seq.num_placeholders >= self.max_model_len)
+        placeholders = seq.num_placeholders
+        # Nothing after tokens in flight that are sure to end the sequence: max_tokens or max_model_len (an EOS
+        # cannot be foreseen: the worker skips a sequence it saw end).
+        if placeholders and (len(rs.outputs[seq.sample_index]) + placeholders >= rs.req.params.max_tokens
+                             or rs.num_tokens(seq) + placeholders >= self.max_model_len):
+            return seq.num_computed
+        return known + placeholders
 
     def may_make_room(self, num_in_flight: int) -> bool:
         if not num_in_flight:

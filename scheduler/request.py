@@ -82,12 +82,14 @@ class RequestState:
     group: RequestGroup = field(default_factory=SamplingGroup)  # its sequences' strategy (scheduler/groups.py)
     gateway_id: str = field(init=False)  # the gateway streaming it to its client: its submitter's, or a taker's since
     root: bytes = field(init=False)  # where its chain of block hashes starts: its tenant's and its cache salt's
+    prompt_len: int = field(init=False)  # (read for every sequence in every step)
     queued: bool = True  # never admitted yet: it counts against its tenant's queue limits (scheduler/ledger.py)
     queued_since: float | None = None  # first tick that saw it queued
     seats: int = 0  # sequences its tenant counts as running for it (since it was admitted or swapped in last)
 
     def __post_init__(self) -> None:
         self.gateway_id = self.req.gateway_id
+        self.prompt_len = len(self.req.prompt_token_ids)
         salt = (self.req.tenant.cache_salt, self.req.cache_salt)
         self.root = chain_root("\0".join(salt) if any(salt) else "")
 
@@ -111,7 +113,7 @@ class RequestState:
         return self.prompt + self.outputs[sample_index]
 
     def num_tokens(self, seq: SeqState) -> int:
-        return len(self.req.prompt_token_ids) + len(self.outputs[seq.sample_index])
+        return self.prompt_len + len(self.outputs[seq.sample_index])
 
     def fork_point(self) -> int | None:
         """Where the live samples part: their common prefix, short of each one's last token (it gives that

@@ -186,21 +186,23 @@ class WorkerScheduler:
             self.drafting.begin_step(self.num_running_seqs)
         if self.running and not self._make_room(step):
             return None  # the room waits for the plans in flight: no plan behind them keeps the head out longer
+        lane = not self.drafting.max_draft  # (a draft goes with a decode token: the general path offers it)
         for rs in list(self.running):
             if step.full or step.blocked:
                 break
             # (one a request before it preempted in this step is running no more)
-            if rs.status is Status.RUNNING and not self._decode_alone(rs, step):
+            if rs.status is Status.RUNNING and not (lane and self._decode_alone(rs, step)):
                 self._schedule_running(rs, step)
         # After a preemption, admitting would only preempt again, unless nothing is left running.
-        if not step.blocked and (not step.preempted or not self.running):
+        if not step.blocked and (not step.preempted or not self.running) and (self.waiting or self.preempted):
             self._admit_all(step)
         plan = step.plan
         if not (step.chunks or plan.swap_out or plan.swap_in or plan.copies):
             return None
         plan.freed, self.to_free = self.to_free, []
         ahead = self.pacing.planned(now, bool(self.in_flight))
-        self.in_flight.append(InFlight(plan.step_id, step.chunks, any(c.num_draft for c in step.chunks), ahead))
+        drafting = bool(self.drafting.max_draft) and any(c.num_draft for c in step.chunks)
+        self.in_flight.append(InFlight(plan.step_id, step.chunks, drafting, ahead))
         self.num_steps += 1
         return plan
 
@@ -243,15 +245,17 @@ class WorkerScheduler:
     def _decode_alone(self, rs: RequestState, step: StepBuilder) -> bool:
         """What most running requests take in most steps, planned without the general path's objects: one sampled
         sequence's next token, written into the block it writes already or one new block, with nothing else to send
-        (no draft, no table resent, no tokens appended). False, with nothing changed, for anything else, which
-        `_schedule_running` plans; both plan it alike (tests/test_scheduler_core.py compares them)."""
-        if len(rs.seqs) != 1 or rs.group.fork_at is not None or not rs.group.samples_tokens or self.drafting.max_draft:
+        (no table resent, no tokens appended; no draft: the caller asks only when none may be offered). False, with
+        nothing changed, for anything else, which `_schedule_running` plans; both plan it alike
+        (tests/test_scheduler_core.py compares them). It runs for every sequence in every step: written out."""
+        seqs, group = rs.seqs, rs.group
+        if len(seqs) != 1 or group.fork_at is not None or not group.samples_tokens:
             return False
-        seq = rs.seqs[0]
+        seq = seqs[0]
         if not seq.sent or seq.resend_table or seq.appended:
             return False
         start = seq.num_computed
-        if self.pacing.target(rs, seq, rs.num_tokens(seq)) != start + 1:
+        if self.pacing.target(rs, seq, rs.prompt_len + len(rs.outputs[seq.sample_index])) != start + 1:
             return False  # nothing to compute before its token in flight comes back, or a prompt's chunk
         new_block_ids = self.kv.grow_by_one(seq.seq_id, start)
         if new_block_ids is None:
@@ -262,7 +266,7 @@ class WorkerScheduler:
         step.chunks.append(Scheduled(rs, seq, start, 1, True))
         step.budget -= 1
         step.seqs_left -= 1
-        prefill = int(start < len(rs.prompt))
+        prefill = int(start < rs.prompt_len)
         self.ledger.charge(rs.req.tenant, prefill, 1 - prefill)
         return True
 
