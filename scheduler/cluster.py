@@ -91,6 +91,7 @@ class Cluster:
                 return
             self.remove_worker(reg.worker_id)
         self.workers[reg.worker_id] = self.worker_scheduler(reg, self.settings, self.epoch, self.ids, self.ledger)
+        self.ledger.seats = self.settings.max_num_seqs * len(self.workers)
         unplaced, self.unplaced = self.unplaced, []
         for rs in unplaced:
             self._place(rs)
@@ -100,6 +101,7 @@ class Cluster:
         ws = self.workers.pop(worker_id, None)
         if ws is None:
             return
+        self.ledger.seats = self.settings.max_num_seqs * len(self.workers)
         self._past_preemptions += ws.num_preemptions
         self.oldest_steps.pop(worker_id, None)
         self._collect(ws.finished)  # nothing in flight there will come back

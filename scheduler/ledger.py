@@ -59,6 +59,7 @@ class Ledger:
         self.accounts: dict[str, Account] = {}
         self.drain = Drain()  # every tenant's requests leaving the queue
         self.now = 0.0  # the last tick's time
+        self.seats = 0  # sequences all the workers run at once at most: what the fair policy's shares split
 
     def account(self, tenant: Tenant) -> Account:
         account = self.accounts.get(tenant.name)
@@ -141,6 +142,15 @@ class Ledger:
         """Whether the tenant may start `num_seqs` more sequences (max_seqs, counted across all workers)."""
         limit = tenant.max_seqs
         return not limit or self.accounts[tenant.name].running_seqs + num_seqs <= limit
+
+    def seat_use(self, tenant: str, adding: int = 0) -> float:
+        """The tenant's running sequences on all the workers (and `adding` more) over its weight."""
+        account = self.accounts[tenant]
+        return (account.running_seqs + adding) / account.tenant.weight
+
+    def seat_share(self) -> float:
+        """A unit of weight's share of the seats: split among the tenants with requests here."""
+        return self.seats / max(sum(a.tenant.weight for a in self.accounts.values() if a.live), 1e-9)
 
     def charge(self, tenant: Tenant, prefill: int, decode: int) -> None:
         """Tokens a plan computes for the tenant."""

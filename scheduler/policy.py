@@ -7,10 +7,13 @@ preempted and waiting requests.
   to be admitted (scheduler/worker_scheduler.py).
 - `fair`: each time the first request (preempted before waiting) of the tenant whose virtual token counter is least
   (scheduler/ledger.py; on a tie, the one using less of the worker's batch), the counters read again after every
-  admission. A request that does not fit preempts the latest request of the tenant furthest over its weighted share
-  of the worker's sequences, when its own tenant is within its share once seated: without that a light tenant's
-  request waits for a heavy one to finish, however low its counter. Shares, not counters, decide it, and the
-  victim's tenant was over its share, so it cannot preempt back: two tenants never preempt each other back and forth.
+  admission. A request that does not fit preempts the worker's latest request of the tenant furthest over its
+  weighted share of the cluster's sequences (every worker's `max_num_seqs`, split by weight among the tenants with
+  requests), when its own tenant is within its share once seated: without that a light tenant's request waits for a
+  heavy one to finish, however low its counter. Shares count every worker's sequences, as the counters do: a tenant
+  whose requests happen to crowd one worker is not held to that worker's part of its share. Shares, not counters,
+  decide it, and the victim's tenant was over its share, so it cannot preempt back: two tenants never preempt each
+  other back and forth.
   Nor does the cache trade them back: the victim goes behind the request it made room for, so that growing, which
   preempts the last-ranked running request, takes the victim again if anything (scheduler/worker_scheduler.py).
 
@@ -70,14 +73,12 @@ class Fair:
                 del by_tenant[name]
 
     def victim(self, ws: WorkerScheduler, head: RequestState) -> RequestState | None:
-        weights = {rs.req.tenant.name: rs.req.tenant.weight for rs in (*ws.running, *ws.preempted, *ws.waiting)}
-        share = ws.settings.max_num_seqs / sum(weights.values())  # seats per unit of weight
-        use = _seat_use(ws)
-        tenant = head.req.tenant
-        over = [rs for rs in ws.running if use[rs.req.tenant.name] > share]
-        if use.get(tenant.name, 0.0) + len(head.live_samples) / tenant.weight > share or not over:
+        ledger = self.ledger
+        share = ledger.seat_share()
+        if ledger.seat_use(head.req.tenant.name, len(head.live_samples)) > share:
             return None  # seated, its tenant would be over its share too
-        return max(over, key=lambda rs: (use[rs.req.tenant.name], rs.rank))
+        over = [rs for rs in ws.running if ledger.seat_use(rs.req.tenant.name) > share]
+        return max(over, key=lambda rs: (ledger.seat_use(rs.req.tenant.name), rs.rank), default=None)
 
 
 def _seat_use(ws: WorkerScheduler) -> dict[str, float]:

@@ -70,7 +70,7 @@ class Settings:
     scheduling_policy: str = _opt("fcfs", "the order of work: fcfs (arrival), priority (the request's `priority`, "
                                   "lower first, preempting lower-priority work for it) or fair (each tenant's "
                                   "weighted share of the tokens computed, across all workers; a tenant under "
-                                  "its share of a worker's sequences preempts one over it)",
+                                  "its share of the cluster's sequences preempts one over it)",
                                   ("fcfs", "priority", "fair"))
     max_queued_tokens: int = _opt(0, "prompt tokens that may wait for admission in all; a request past it gets 429 "
                                   "(0 = no limit)")

@@ -251,6 +251,30 @@ def test_under_fair_the_request_preempted_for_a_share_goes_behind_it_so_the_cach
     assert all(outputs[("heavy", i)] == [pick("heavy", i, k) for k in range(8)] for i in range(5))
 
 
+def test_under_fair_a_tenant_under_its_share_of_the_cluster_takes_a_seat_on_a_worker_its_requests_crowd():
+    """Two workers of two seats: light's share is two of the four. Light's requests happen to crowd w0 (one running,
+    a second queued there) while heavy runs three, two on w1: light is under its share of the cluster, so its request
+    takes heavy's seat on w0 at once, though it would be over half of w0 alone."""
+    sched, sims = make(scheduling_policy="fair", workers=("w0", "w1"), max_num_seqs=2)
+    queue_on(sched, "w0", of(LIGHT, "light-0", max_tokens=40))
+    queue_on(sched, "w0", of(HEAVY, "heavy-0", max_tokens=40))
+    for i in (1, 2):
+        queue_on(sched, "w1", of(HEAVY, f"heavy-{i}", max_tokens=40))
+    outputs: dict = {}
+    drive(sched, sims, outputs, rounds=3)
+    assert (running(sched, "w0"), running(sched, "w1")) == (["light-0", "heavy-0"], ["heavy-1", "heavy-2"])
+    queue_on(sched, "w0", of(LIGHT, "light-1", max_tokens=4))
+    plan = sched.schedule("w0")
+    assert [s.rid for s in plan.new_sequences] == ["light-1"]
+    assert [rs.rid for rs in sched.workers["w0"].preempted] == ["heavy-0"]
+    sched.apply_result((outcome := sims["w0"].execute(plan)).result)
+    for out in outcome.outputs:
+        outputs.setdefault((out.rid, 0), []).append(out.token_id)
+    drive(sched, sims, outputs)
+    assert {rid: len(t) for (rid, _), t in outputs.items()} == {"light-0": 40, "light-1": 4,
+                                                                 **{f"heavy-{i}": 40 for i in range(3)}}
+
+
 @pytest.mark.parametrize("light_running", [0, 2])
 def test_under_fair_a_tenant_at_its_share_waits_and_two_tenants_never_preempt_each_other_back(light_running):
     """With one seat, seating either tenant would put it over its half: nobody preempts. With four seats and light
