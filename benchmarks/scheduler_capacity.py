@@ -1,7 +1,7 @@
 """How many workers one scheduler keeps busy (issue 39): simulated workers of the H200 profile (Llama-3-8B, a decode
 step of 256 sequences in ~14-17 ms), 256 running sequences each.
 
-    python -m benchmarks.scheduler_capacity --out benchmarks/results/scheduler_capacity.json
+    python -m benchmarks.scheduler_capacity --bus-workers 4 8 16 --out benchmarks/results/scheduler_capacity.json
 
 **Measured** (`--workers 1 2 4`, what two cores hold at real speed): `pagedserve up --workers N --simulate
 h200-llama-3-8b` with N x 288 greedy requests put on the bus directly (no gateway in the path: its cost per token is
@@ -11,6 +11,11 @@ the workers report), the share its modelled steps took (the steps it ran, each t
 sequences at the window's mean context: the rest is its own host work and the wait), and from /proc and Redis's
 INFO the CPU the scheduler spent per step and per sequence, the workers' CPU per step, Redis's CPU and commands per
 generated token.
+
+**Measured past what the full stack holds** (`--bus-workers 4 8 16`): the same requests and window on a Redis, the
+scheduler service and benchmarks/bus_workers.py's workers, which read their plans, take the cost model's time and
+answer with tokens, many to a process, writing no `out:` streams: the scheduler's side at real speed, where two cores
+cannot hold as many full workers (their CPU and Redis's per token are the full stack's rows).
 
 **Computed** (1 to 64 workers): with a lookahead, a worker waits when the scheduler cannot plan every worker's next
 step within one step: busy = min(1, step time / (N x the scheduler's CPU per step)), from the figure measured with
@@ -25,15 +30,19 @@ import random
 import statistics
 import sys
 import tempfile
+import subprocess
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Iterator
 
 import redis
 
 from benchmarks.bus_client import BusClient
 from benchmarks.proc_cpu import cpu_seconds
+from benchmarks.redis_servers import LocalRedis
 from benchmarks.up_process import UpProcess
 from gpu_worker.cost_model import ChunkSize, get_profile
 from pagedserve.local_redis import REDIS
@@ -45,15 +54,18 @@ from shared.sampling import SamplingParams
 
 PROFILE = "h200-llama-3-8b"
 SEQS = 256
+FULL, BUS = "full stack", "bus workers"
 
 
 @dataclass(slots=True)
 class Measured:
     workers: int
+    kind: str  # "full stack" (pagedserve up) or "bus workers" (benchmarks/bus_workers.py)
     window_s: float
     steps: int  # plans all workers ran in the window
     waiting: list[float]  # per worker: the share of the window it waited for its next plan (its own report)
     busy: list[float]  # per worker: the share of the window its modelled steps took
+    scheduler_cores: float  # the scheduler's CPU seconds per second of the window
     scheduler_ms_per_step: float
     scheduler_us_per_seq: float
     worker_ms_per_step: float
@@ -77,32 +89,65 @@ def snapshot(client: BusClient, server: redis.Redis, pids: dict[str, int]) -> tu
     return stats, cpu, calls
 
 
-def measure(workers: int, args: argparse.Namespace, model: Path, log: Path) -> Measured:
+@dataclass(slots=True)
+class Stack:
+    """A running stack to measure: its Redis URL and the pids of the scheduler, the worker processes and Redis."""
+    url: str
+    pids: dict[str, int]
+
+
+@contextmanager
+def full_stack(workers: int, model: Path, log: Path) -> Iterator[Stack]:
+    """`pagedserve up` with simulated workers of the profile, one process each."""
     up = UpProcess.start(["--workers", str(workers), "--simulate", PROFILE, "--model", str(model), "--port",
                           str(free_port()), "--max-num-seqs", str(SEQS), "--max-num-batched-tokens", "8192"], log)
     try:
-        url = up.redis_url()
-        client = BusClient(url)
-        server = redis.Redis.from_url(url)
-        params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
-        client.wait_for(lambda: (s := client.stats()) is not None and len(s.workers) == workers,
-                        "the scheduler to see every worker")  # a request goes to a worker it sees on arrival
-        rng = random.Random(workers)
-        # An eighth more than the seats: placement weighs each worker's work to come, so a burst does not split
-        # evenly; the extras wait, and every worker keeps 256 running through the window.
-        for _ in range(workers * SEQS * 9 // 8):
-            client.submit([rng.randrange(5, 500) for _ in range(args.input_len)], params)
-        client.wait_for(lambda: all(w.running == SEQS for w in client.stats().workers),
-                        f"every worker to run {SEQS} sequences", timeout=120)
-        time.sleep(args.settle)
         children = up.pids()
         pids = {name: pid for name, pid in children.items() if name == "scheduler" or name.startswith("worker")}
-        pids["redis"] = children[REDIS]
-        before = snapshot(client, server, pids)
-        time.sleep(args.window)
-        after = snapshot(client, server, pids)
+        yield Stack(up.redis_url(), pids | {"redis": children[REDIS]})
     finally:
         up.stop()
+
+
+@contextmanager
+def bus_stack(workers: int, workdir: Path) -> Iterator[Stack]:
+    """A Redis, the scheduler service and benchmarks/bus_workers.py's workers, all of them in one process."""
+    server = LocalRedis(workdir / f"redis-{workers}", appendfsync="everysec")
+    server.start()
+    procs: list[subprocess.Popen] = []
+    try:
+        with open(workdir / f"bus-{workers}.log", "wb") as log:
+            for command in (["-m", "scheduler", "--redis-url", server.url, "--max-num-seqs", str(SEQS),
+                             "--max-num-batched-tokens", "8192"],
+                            ["-m", "benchmarks.bus_workers", "--redis-url", server.url, "--workers", str(workers),
+                             "--profile", PROFILE]):
+                procs.append(subprocess.Popen([sys.executable, *command], stdout=log, stderr=log))
+        yield Stack(server.url, {"scheduler": procs[0].pid, "workers": procs[1].pid, "redis": server.proc.pid})
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(30)
+        server.stop()
+
+
+def measure(stack: Stack, workers: int, kind: str, args: argparse.Namespace) -> Measured:
+    client = BusClient(stack.url)
+    server = redis.Redis.from_url(stack.url)
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
+    client.wait_for(lambda: (s := client.stats()) is not None and len(s.workers) == workers,
+                    "the scheduler to see every worker", timeout=60)  # a request goes to a worker it sees on arrival
+    rng = random.Random(workers)
+    # An eighth more than the seats: placement weighs each worker's work to come, so a burst does not split
+    # evenly; the extras wait, and every worker keeps 256 running through the window.
+    for _ in range(workers * SEQS * 9 // 8):
+        client.submit([rng.randrange(5, 500) for _ in range(args.input_len)], params)
+    client.wait_for(lambda: all(w.running == SEQS for w in client.stats().workers),
+                    f"every worker to run {SEQS} sequences", timeout=120 + 10 * workers)
+    time.sleep(args.settle)
+    before = snapshot(client, server, stack.pids)
+    time.sleep(args.window)
+    after = snapshot(client, server, stack.pids)
     (s0, cpu0, calls0), (s1, cpu1, calls1) = before, after
     window = s1.time - s0.time
     steps = {w.worker_id: w.steps for w in s1.workers}
@@ -119,16 +164,16 @@ def measure(workers: int, args: argparse.Namespace, model: Path, log: Path) -> M
     step_s = step_seconds(int(mean_context))
     worker_cpu = sum(cpu1[n] - cpu0[n] for n in cpu0 if n.startswith("worker"))
     commands = sum(calls1.values()) - sum(calls0.get(k, 0) for k in calls1)
-    return Measured(workers, window, total_steps, [waited[w] / window for w in sorted(steps)],
-                    [steps[w] * step_s / window for w in sorted(steps)],
-                    1e3 * (cpu1["scheduler"] - cpu0["scheduler"]) / total_steps,
-                    1e6 * (cpu1["scheduler"] - cpu0["scheduler"]) / tokens, 1e3 * worker_cpu / total_steps,
+    scheduler_cpu = cpu1["scheduler"] - cpu0["scheduler"]
+    return Measured(workers, kind, window, total_steps, [waited[w] / window for w in sorted(steps)],
+                    [steps[w] * step_s / window for w in sorted(steps)], scheduler_cpu / window,
+                    1e3 * scheduler_cpu / total_steps, 1e6 * scheduler_cpu / tokens, 1e3 * worker_cpu / total_steps,
                     1e6 * (cpu1["redis"] - cpu0["redis"]) / tokens, commands / tokens, 1e3 * step_s)
 
 
 def computed(measured: list[Measured], counts: list[int]) -> list[dict]:
     """Busy share and the limits for `counts` workers, from the one-worker run's costs."""
-    base = next(m for m in measured if m.workers == 1)
+    base = next(m for m in measured if m.workers == 1 and m.kind == FULL)
     step_ms, sched_ms = base.step_ms, base.scheduler_ms_per_step
     redis_tokens_s = 1e6 / base.redis_us_per_token
     rows = []
@@ -142,14 +187,14 @@ def computed(measured: list[Measured], counts: list[int]) -> list[dict]:
 
 
 def format_report(report: dict) -> str:
-    lines = ["Measured (real services, simulated workers at real speed):", "",
-             "| workers | waiting for a plan (each) | modelled steps (each) | scheduler ms/step | scheduler µs/seq | "
-             "worker ms/step | Redis µs/token | Redis commands/token | modelled step ms |",
-             "|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["Measured (the real scheduler and Redis; workers simulated at real speed: the full stack's, or bus workers",
+             "that only read plans and answer, many to a process; a list of shares is each worker's, else their mean):",
+             "", "| workers | kind | waiting for a plan | modelled steps | scheduler cores | scheduler ms/step | "
+             "scheduler µs/seq | worker ms/step | Redis µs/token | Redis commands/token | modelled step ms |",
+             "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for m in report["measured"]:
-        waiting = ", ".join(f"{w:.0%}" for w in m["waiting"])
-        busy = ", ".join(f"{b:.0%}" for b in m["busy"])
-        lines.append(f"| {m['workers']} | {waiting} | {busy} | {m['scheduler_ms_per_step']:.2f} | "
+        lines.append(f"| {m['workers']} | {m['kind']} | {_shares(m['waiting'])} | {_shares(m['busy'])} | "
+                     f"{m['scheduler_cores']:.2f} | {m['scheduler_ms_per_step']:.2f} | "
                      f"{m['scheduler_us_per_seq']:.2f} | "
                      f"{m['worker_ms_per_step']:.2f} | {m['redis_us_per_token']:.2f} | "
                      f"{m['redis_commands_per_token']:.3f} | {m['step_ms']:.1f} |")
@@ -165,9 +210,16 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _shares(shares: list[float]) -> str:
+    if len(shares) > 4:
+        return f"{statistics.mean(shares):.0%} (min {min(shares):.0%}, max {max(shares):.0%})"
+    return ", ".join(f"{s:.0%}" for s in shares)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4], help="worker counts run for real")
+    p.add_argument("--workers", type=int, nargs="*", default=[1, 2, 4], help="worker counts run on the full stack")
+    p.add_argument("--bus-workers", type=int, nargs="*", default=[], help="worker counts run as bus workers")
     p.add_argument("--computed", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=1800, help="long enough to outlast the measurement (the tiny "
@@ -181,14 +233,18 @@ def main(argv: list[str] | None = None) -> int:
         write_tiny_model(model)
     workdir = Path(tempfile.mkdtemp(prefix="pagedserve-capacity-"))
     measured = []
-    for n in args.workers:
-        m = measure(n, args, model, workdir / f"up-{n}.log")
+    runs = [(n, FULL, lambda n=n: full_stack(n, model, workdir / f"up-{n}.log")) for n in args.workers]
+    runs += [(n, BUS, lambda n=n: bus_stack(n, workdir)) for n in args.bus_workers]
+    for n, kind, stack in runs:
+        with stack() as running:
+            m = measure(running, n, kind, args)
         measured.append(m)
-        print(f"[{n} workers] waiting {', '.join(f'{w:.0%}' for w in m.waiting)}; scheduler "
+        print(f"[{n} workers, {kind}] waiting {_shares(m.waiting)}; scheduler {m.scheduler_cores:.2f} cores, "
               f"{m.scheduler_ms_per_step:.2f} ms/step ({m.scheduler_us_per_seq:.2f} µs/seq)", file=sys.stderr)
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "profile": PROFILE,
               "args": vars(args) | {"out": None}, "measured": [asdict(m) for m in measured],
-              "computed": computed(measured, args.computed) if any(m.workers == 1 for m in measured) else []}
+              "computed": computed(measured, args.computed)
+              if any(m.workers == 1 and m.kind == FULL for m in measured) else []}
     print(format_report(report))
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
