@@ -138,12 +138,24 @@ def measure(stack: Stack, workers: int, kind: str, args: argparse.Namespace) -> 
     client.wait_for(lambda: (s := client.stats()) is not None and len(s.workers) == workers,
                     "the scheduler to see every worker", timeout=60)  # a request goes to a worker it sees on arrival
     rng = random.Random(workers)
+
+    def submit(count: int) -> None:
+        for _ in range(count):
+            client.submit([rng.randrange(5, 500) for _ in range(args.input_len)], params)
+
     # An eighth more than the seats: placement weighs each worker's work to come, so a burst does not split
-    # evenly; the extras wait, and every worker keeps 256 running through the window.
-    for _ in range(workers * SEQS * 9 // 8):
-        client.submit([rng.randrange(5, 500) for _ in range(args.input_len)], params)
-    client.wait_for(lambda: all(w.running == SEQS for w in client.stats().workers),
-                    f"every worker to run {SEQS} sequences", timeout=120 + 10 * workers)
+    # evenly; the extras wait, and every worker keeps 256 running through the window. Should a worker still run
+    # fewer after a while, its shortfall goes in again (placement sends the most to the least loaded).
+    submit(workers * SEQS * 9 // 8)
+    deadline = time.monotonic() + 120 + 10 * workers
+    running = [w.running for w in client.stats().workers]
+    while any(n != SEQS for n in running):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for every worker to run {SEQS} sequences")
+        time.sleep(5.0)
+        before, running = running, [w.running for w in client.stats().workers]
+        if running == before:  # no admission in 5 s: the workers short of 256 have nothing waiting
+            submit(sum(SEQS - n for n in running))
     time.sleep(args.settle)
     before = snapshot(client, server, stack.pids)
     time.sleep(args.window)
