@@ -65,6 +65,8 @@ async def serve(worker: BusWorker, url: str, keys: Keys, stop: asyncio.Event) ->
             try:
                 plan, at = await asyncio.wait_for(landed.get(), 0.5)
             except asyncio.TimeoutError:
+                if reading.done():  # its reader failed: end here rather than look alive and answer nothing
+                    reading.result()
                 continue
             began = max(at, ended) if ended is not None else at
             waited = began - ended if ended is not None and worker.lengths else 0.0
@@ -79,8 +81,10 @@ async def serve(worker: BusWorker, url: str, keys: Keys, stop: asyncio.Event) ->
 
 
 async def read_plans(worker: BusWorker, url: str, keys: Keys, landed: asyncio.Queue) -> None:
+    """Every plan on the worker's stream from its start (a fresh Redis: it holds only this run's), as it lands; a
+    plan's time is when this loop took it, late by whatever else the loop ran meanwhile."""
     reader = connect_async(url, blocking=True)
-    stream, cursor = keys.plans(worker.reg.worker_id), "$"
+    stream, cursor = keys.plans(worker.reg.worker_id), "0-0"
     while True:
         reply = await reader.xread({stream: cursor}, count=16, block=500)
         at = asyncio.get_running_loop().time()

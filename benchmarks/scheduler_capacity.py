@@ -111,7 +111,7 @@ def full_stack(workers: int, model: Path, log: Path) -> Iterator[Stack]:
 
 @contextmanager
 def bus_stack(workers: int, workdir: Path) -> Iterator[Stack]:
-    """A Redis, the scheduler service and benchmarks/bus_workers.py's workers, all of them in one process."""
+    """A Redis, the scheduler service and benchmarks/bus_workers.py's workers (all of them in one process)."""
     server = LocalRedis(workdir / f"redis-{workers}", appendfsync="everysec")
     server.start()
     procs: list[subprocess.Popen] = []
@@ -127,7 +127,11 @@ def bus_stack(workers: int, workdir: Path) -> Iterator[Stack]:
         for proc in procs:
             proc.terminate()
         for proc in procs:
-            proc.wait(30)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         server.stop()
 
 
@@ -161,6 +165,9 @@ def measure(stack: Stack, workers: int, kind: str, args: argparse.Namespace) -> 
     time.sleep(args.window)
     after = snapshot(client, server, stack.pids)
     (s0, cpu0, calls0), (s1, cpu1, calls1) = before, after
+    if not all(w.running == SEQS for w in (*s0.workers, *s1.workers)):
+        raise RuntimeError(f"a worker ran fewer than {SEQS} sequences at the start or the end of the window (the first "
+                           "requests ended in it?): lengthen --output-len or shorten --window")
     window = s1.time - s0.time
     steps = {w.worker_id: w.steps for w in s1.workers}
     waited = {w.worker_id: w.plan_wait for w in s1.workers}
@@ -199,8 +206,8 @@ def computed(measured: list[Measured], counts: list[int]) -> list[dict]:
 
 
 def format_report(report: dict) -> str:
-    lines = ["Measured (the real scheduler and Redis; workers simulated at real speed: the full stack's, or bus workers",
-             "that only read plans and answer, many to a process; a list of shares is each worker's, else their mean):",
+    lines = ["Measured (the real scheduler and Redis; workers simulated at real speed: the full stack's, or bus",
+             "workers that only read plans and answer, many to a process; shares are each worker's, else their mean):",
              "", "| workers | kind | waiting for a plan | modelled steps | scheduler cores | scheduler ms/step | "
              "scheduler µs/seq | worker ms/step | Redis µs/token | Redis commands/token | modelled step ms |",
              "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]

@@ -61,6 +61,10 @@ class Cluster:
         self.ledger = Ledger(settings)
         self._past_preemptions = 0  # of workers removed since
 
+    def _count_seats(self) -> None:
+        """The fair policy's shares split every worker's sequences."""
+        self.ledger.seats = self.settings.max_num_seqs * len(self.workers)
+
     @property
     def worker_ids(self) -> list[str]:
         return list(self.workers)
@@ -91,7 +95,7 @@ class Cluster:
                 return
             self.remove_worker(reg.worker_id)
         self.workers[reg.worker_id] = self.worker_scheduler(reg, self.settings, self.epoch, self.ids, self.ledger)
-        self.ledger.seats = self.settings.max_num_seqs * len(self.workers)
+        self._count_seats()
         unplaced, self.unplaced = self.unplaced, []
         for rs in unplaced:
             self._place(rs)
@@ -101,7 +105,7 @@ class Cluster:
         ws = self.workers.pop(worker_id, None)
         if ws is None:
             return
-        self.ledger.seats = self.settings.max_num_seqs * len(self.workers)
+        self._count_seats()
         self._past_preemptions += ws.num_preemptions
         self.oldest_steps.pop(worker_id, None)
         self._collect(ws.finished)  # nothing in flight there will come back

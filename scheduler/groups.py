@@ -94,7 +94,7 @@ class SamplingGroup(ForkingGroup):
         """A token the worker sampled: appended to its sample, which may end there (and the request with it)."""
         output = rs.outputs[seq.sample_index]
         output.append(token_id)
-        reason = finish_reason(rs.req.params, output, len(rs.prompt) + len(output), ws.reg.max_model_len,
+        reason = finish_reason(rs.req.params, output, rs.prompt_len + len(output), ws.reg.max_model_len,
                                ws.reg.eos_token_ids)
         if reason is None:
             return
@@ -104,6 +104,8 @@ class SamplingGroup(ForkingGroup):
         rs.reasons[seq.sample_index] = rs.last_reason = reason
         if rs.done:
             ws.finish(rs, reason)
+        else:
+            ws.reseat(rs)
 
     def cut_short(self, rs: RequestState) -> list[Hypothesis] | None:
         """What the request ends with when the cache cannot hold it: its samples' tokens so far, as streamed."""
@@ -130,7 +132,7 @@ class BeamGroup(ForkingGroup):
         sequence (its blocks shared, copy-on-write); one that does not is freed."""
         params, reg, search = rs.req.params, ws.reg, self.search
         stops = params.stop_tokens(reg.eos_token_ids)
-        max_new = min(params.max_tokens, reg.max_model_len - len(rs.prompt))
+        max_new = min(params.max_tokens, reg.max_model_len - rs.prompt_len)
 
         def stop_reason(token: int, length: int) -> str | None:
             return "stop" if token in stops else "length" if length >= max_new else None

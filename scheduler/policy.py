@@ -6,14 +6,14 @@ preempted and waiting requests.
   running ones are planned and preempted by it too, and a request that outranks the last running one preempts it
   to be admitted (scheduler/worker_scheduler.py).
 - `fair`: each time the first request (preempted before waiting) of the tenant whose virtual token counter is least
-  (scheduler/ledger.py; on a tie, the one using less of the worker's batch), the counters read again after every
+  (scheduler/ledger.py; on a tie, the one running fewer sequences per weight), the counters read again after every
   admission. A request that does not fit preempts the worker's latest request of the tenant furthest over its
   weighted share of the cluster's sequences (every worker's `max_num_seqs`, split by weight among the tenants with
   requests), when its own tenant is within its share once seated: without that a light tenant's request waits for a
   heavy one to finish, however low its counter. Shares count every worker's sequences, as the counters do: a tenant
   whose requests happen to crowd one worker is not held to that worker's part of its share. Shares, not counters,
-  decide it, and the victim's tenant was over its share, so it cannot preempt back: two tenants never preempt each
-  other back and forth.
+  decide it, and the victim's tenant was over its share, so it cannot preempt back: while weights and workers stay
+  as they are, two tenants never preempt each other back and forth.
   Nor does the cache trade them back: the victim goes behind the request it made room for, so that growing, which
   preempts the last-ranked running request, takes the victim again if anything (scheduler/worker_scheduler.py).
 
@@ -62,11 +62,10 @@ class Fair:
         by_tenant: dict[str, deque[RequestState]] = {}
         for rs in (*ws.preempted, *ws.waiting):
             by_tenant.setdefault(rs.req.tenant.name, deque()).append(rs)
-        counter = self.ledger.counter
-        use = _seat_use(ws) if len(by_tenant) > 1 else {}  # a tie-break: no walk of the batch for one tenant
+        counter, use = self.ledger.counter, self.ledger.seat_use
         while by_tenant:
-            # A tenant back from idle starts level with the busy ones: the one using less of the batch goes first.
-            name = min(by_tenant, key=lambda t: (counter(t), use.get(t, 0.0), by_tenant[t][0].rank))
+            # A tenant back from idle starts level with the busy ones: the one using less of its share goes first.
+            name = min(by_tenant, key=lambda t: (counter(t), use(t), by_tenant[t][0].rank))
             queue = by_tenant[name]
             yield queue.popleft()
             if not queue:
@@ -79,15 +78,6 @@ class Fair:
             return None  # seated, its tenant would be over its share too
         over = [rs for rs in ws.running if ledger.seat_use(rs.req.tenant.name) > share]
         return max(over, key=lambda rs: (ledger.seat_use(rs.req.tenant.name), rs.rank), default=None)
-
-
-def _seat_use(ws: WorkerScheduler) -> dict[str, float]:
-    """Each tenant's running sequences on the worker over its weight."""
-    use: dict[str, float] = {}
-    for rs in ws.running:
-        tenant = rs.req.tenant
-        use[tenant.name] = use.get(tenant.name, 0.0) + len(rs.live_samples) / tenant.weight
-    return use
 
 
 def policy_for(name: str, ledger: Ledger) -> Fcfs | Priority | Fair:

@@ -125,9 +125,9 @@ class RequestState:
         common = 0
         while all(len(o) > common for o in outs) and len({o[common] for o in outs}) == 1:
             common += 1
-        return len(self.prompt) + min(common, min(len(o) for o in outs) - 1)
+        return self.prompt_len + min(common, min(len(o) for o in outs) - 1)
 
     @property
     def longest(self) -> int:
         """Tokens of its longest unfinished sample (prompt + output)."""
-        return len(self.prompt) + max((len(self.outputs[i]) for i in self.live_samples), default=0)
+        return self.prompt_len + max((len(self.outputs[i]) for i in self.live_samples), default=0)

@@ -289,7 +289,7 @@ class WorkerScheduler:
         """Put the chunks, on the blocks `slots` granted them, into the plan."""
         plan = step.plan
         plan.copies.extend(slots.copies)
-        prompt_len, prefill, computed = len(rs.prompt), 0, 0
+        prompt_len, prefill, computed = rs.prompt_len, 0, 0
         for seq, num_new, emits, num_draft in chunks:
             start = seq.num_computed
             if start < prompt_len:
@@ -488,8 +488,8 @@ class WorkerScheduler:
 
     def uncached_prompt(self, rs: RequestState) -> int:
         """Prompt tokens this worker would have to compute for the request (no prefix hit)."""
-        hits = self.kv.find_prefix(self._prompt_hashes(rs), len(rs.prompt))
-        return len(rs.prompt) - len(hits) * self.kv.block_size
+        hits = self.kv.find_prefix(self._prompt_hashes(rs), rs.prompt_len)
+        return rs.prompt_len - len(hits) * self.kv.block_size
 
     # ---- results --------------------------------------------------------------------------
     def apply_result(self, result: StepResult, now: float | None = None) -> None:
@@ -566,7 +566,7 @@ class WorkerScheduler:
             seq.num_computed += accepted
             output = rs.outputs[seq.sample_index]
             self.kv.commit(seq.seq_id, rs.prompt, output, seq.num_computed, rs.root)
-            if self.kv.truncate(seq.seq_id, len(rs.prompt) + len(output)):
+            if self.kv.truncate(seq.seq_id, rs.prompt_len + len(output)):
                 seq.resend_table = True
 
     # ---- ending ---------------------------------------------------------------------------
@@ -582,6 +582,12 @@ class WorkerScheduler:
                 queue.remove(rs)
         rs.status = Status.FINISHED
         self.finished.append(FinishedRequest(rs.rid, reason, error, error_kind, beams, retry_after))
+
+    def reseat(self, rs: RequestState) -> None:
+        """A running request's sample ended: its tenant counts the samples that go on."""
+        if rs.seats:
+            self.ledger.seated(rs.req.tenant.name, len(rs.live_samples) - rs.seats)
+            rs.seats = len(rs.live_samples)
 
     def unseat(self, rs: RequestState) -> None:
         """The request no longer runs here: its tenant's running sequences go down by those it counted."""

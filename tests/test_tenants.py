@@ -10,7 +10,7 @@ from scheduler.ledger import DECODE_COST
 from scheduler.request import Status
 from shared.protocol import OVERLOADED, Request
 from shared.tenants import Keys, Tenant, TenantError, parse_keys
-from test_scheduler_core import make, pick, request
+from test_scheduler_core import EOS, make, pick, request
 
 LIGHT, HEAVY = Tenant("light"), Tenant("heavy")
 
@@ -378,6 +378,21 @@ def test_a_tenants_running_sequences_are_capped_across_workers_and_the_others_pa
     assert "other" in running(sched, "w0") + running(sched, "w1")
     drive(sched, sims)
     assert sched.ledger.accounts["capped"].running_seqs == 0 and not sched.has_unfinished()
+
+
+def test_a_sample_that_ends_gives_its_seat_back_to_its_tenant_while_the_request_runs_on():
+    """Capped at two sequences, the tenant runs both samples of c0; when sample 1 stops on EOS, c1 takes that seat
+    while sample 0 goes on."""
+    sched, sims = make(max_num_seqs=8)
+    sims["w0"].pick = lambda rid, sample, i: EOS if (rid, sample, i) == ("c0", 1, 2) else pick(rid, sample, i)
+    capped = Tenant("capped", max_seqs=2)
+    sched.add_request(of(capped, "c0", max_tokens=30, n=2))
+    sched.add_request(of(capped, "c1", max_tokens=30))
+    drive(sched, sims, rounds=3)
+    assert running(sched) == ["c0"] and sched.ledger.accounts["capped"].running_seqs == 2
+    drive(sched, sims, rounds=3)
+    assert sched.requests["c0"].reasons == [None, "stop"], "sample 1 stopped, sample 0 goes on"
+    assert running(sched) == ["c0", "c1"] and sched.ledger.accounts["capped"].running_seqs == 2
 
 
 # ---- isolated prefix caches ---------------------------------------------------------------------
