@@ -201,7 +201,7 @@ class WorkerScheduler:
             return None
         plan.freed, self.to_free = self.to_free, []
         ahead = self.pacing.planned(now, bool(self.in_flight))
-        drafting = bool(self.drafting.max_draft) and any(c.num_draft for c in step.chunks)
+        drafting = not lane and any(c.num_draft for c in step.chunks)
         self.in_flight.append(InFlight(plan.step_id, step.chunks, drafting, ahead))
         self.num_steps += 1
         return plan
@@ -255,7 +255,7 @@ class WorkerScheduler:
         if not seq.sent or seq.resend_table or seq.appended:
             return False
         start = seq.num_computed
-        if self.pacing.target(rs, seq, rs.prompt_len + len(rs.outputs[seq.sample_index])) != start + 1:
+        if self.pacing.target(rs, seq, rs.num_tokens(seq)) != start + 1:
             return False  # nothing to compute before its token in flight comes back, or a prompt's chunk
         new_block_ids = self.kv.grow_by_one(seq.seq_id, start)
         if new_block_ids is None:
