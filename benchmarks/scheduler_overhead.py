@@ -16,14 +16,13 @@ plan, `tick` every 0.25 s), and the monitor with a dashboard watching (a snapsho
 from __future__ import annotations
 
 import argparse
-import gc
 import random
 import statistics
 import time
 
 from benchmarks.token_worker import TokenWorker
 from scheduler.cluster import Cluster
-from scheduler.service import TICK_S
+from scheduler.service import TICK_S, settle_heap
 from scheduler.snapshot import CacheMonitor
 from shared.protocol import Request, WorkerRegistration, encode
 from shared.sampling import SamplingParams
@@ -41,7 +40,7 @@ def measure(num_seqs: int, caching: bool, steps: int, prompt_len: int, prefix_le
     reg = WorkerRegistration("w0", "bench", num_blocks, 0, block_size, max_len + 1, [0])
     sched = Cluster(settings)
     sched.add_worker(reg)
-    gc.freeze()  # as the scheduler service does once started
+    settle_heap()  # as the scheduler service does once started
     worker = TokenWorker(reg)
     prefix = [rng.randrange(1, 32000) for _ in range(prefix_len)]
     params = SamplingParams(max_tokens=steps + 32, ignore_eos=True, temperature=0.0)

@@ -199,14 +199,15 @@ async def metrics(request: web.Request) -> web.Response:
 
 # The app is its own process's (`run`): once start-up is all in, what it made (modules, the tokenizer, the
 # chat-template renderer) lives as long as the process, so it goes out of the garbage collector's sight, and full
-# collections, each of which stalls every stream of the gateway, stop scanning it. Not for the apps tests run, many to
-# a process, whose garbage must stay collectable.
+# collections, each of which stalls every stream of the gateway, stop scanning it and run less often (below). Not for
+# the apps tests run, many to a process, whose garbage must stay collectable.
 FREEZE_START_UP = web.AppKey("freeze_start_up", bool)
 # What is left for a full collection to scan is the open requests (~150 objects each), so with a backlog of hundreds
-# one stalls every stream for tens of ms. Python's default starts one after ten collections of the middle generation
-# once the old one grew by a quarter: about once a half-minute of a growing backlog, a light tenant's TTFT tail in
-# benchmarks.tenants. Reference counting frees a finished request; only cycles (a cut request's exception) wait for a
-# full collection, so a tenth as many cost little memory.
+# one stalls every stream for tens of ms. CPython 3.11-3.13 start one after ten middle-generation collections once
+# the old generation grew by a quarter since the last: about once a half-minute of a growing backlog, a light
+# tenant's TTFT tail in benchmarks.tenants. Reference counting frees a finished request; a cut request's cycle (~145
+# objects: its CancelledError's traceback holds the request, which holds its task, which holds the error) waits for
+# a full collection, now ten times as many young objects later at least. (3.14's incremental collector ignores it.)
 MIDDLE_COLLECTIONS_PER_FULL = 100
 
 

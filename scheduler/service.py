@@ -36,11 +36,12 @@ from shared.settings import Settings
 
 log = logging.getLogger("scheduler")
 TICK_S = 0.25
-# A plan makes a few objects per sequence that live until its result, a step or two: at Python's default (a young
-# collection each 700 objects made and not yet freed) every plan of 256 sequences ran one, which found them alive and
-# moved them on, to the old generation in the end, so that a full collection ran every ~0.4 s at 16 workers (~55 ms
-# each, every worker's next plan held up: benchmarks.scheduler_capacity). Above what any plan makes, young
-# collections come only as the requests held grow.
+# A plan makes a few objects per sequence that live until its result, a step or two. A young collection runs each
+# time the tracked objects made, less those freed, pass a threshold (700 in CPython 3.11, 2,000 from 3.13): every plan
+# of 256 sequences ran one, which found its objects alive and moved them on, to the old generation in the end, so that
+# a full collection ran every ~0.4 s at 16 workers (~55 ms each, every worker's next plan held up:
+# benchmarks.scheduler_capacity). Above what any plan makes, young collections come as the requests held (or cyclic
+# garbage) grow, each scanning up to this many objects.
 YOUNG_COLLECTION_AFTER = 50_000
 Command = tuple[str, tuple, dict]
 
@@ -50,6 +51,15 @@ class Queued:
     """A request's entry in the requests stream (acknowledged when it ends) and how long its out: stream is kept."""
     entry_id: bytes
     retention: float
+
+
+def settle_heap() -> None:
+    """Once the scheduler has started: what start-up made (modules, the cluster's block pools) lives as long as the
+    process, taken out of the garbage collector's sight (its full collections stop scanning it: tens of ms each at
+    1,024 sequences), and young collections wait for YOUNG_COLLECTION_AFTER objects."""
+    gc.freeze()
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(YOUNG_COLLECTION_AFTER, middle, old)
 
 
 class SchedulerService:
@@ -360,11 +370,7 @@ class SchedulerService:
         await retry_async(self._start, "starting (Redis unreachable?)", self.stop_event)
         if self.stop_event.is_set():
             return
-        # What start-up made (modules, the cluster's block pools) lives as long as the process: taken out of the
-        # garbage collector's sight, its full collections stop scanning it (tens of ms each at 1,024 sequences).
-        gc.freeze()
-        _, middle, old = gc.get_threshold()
-        gc.set_threshold(YOUNG_COLLECTION_AFTER, middle, old)
+        settle_heap()
         requests_reader = connect_async(self.settings.redis_url, blocking=True)
         read_control = await self._stream_reader(self.keys.control, (Abort, WorkerGone), self._on_control)
         await self._missed_aborts()
