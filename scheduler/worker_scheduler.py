@@ -472,8 +472,7 @@ class WorkerScheduler:
     def _start_running(self, rs: RequestState, step: StepBuilder, chunks: list[Chunk], slots: Slots) -> None:
         rs.status = Status.RUNNING
         bisect.insort(self.running, rs, key=ORDER)
-        rs.seats = len(rs.live_samples)
-        self.ledger.seated(rs.req.tenant.name, rs.seats)
+        self._seat(rs, len(rs.live_samples))
         step.running_seqs += rs.seats
         if chunks:
             self._add(rs, chunks, slots, step)
@@ -586,14 +585,17 @@ class WorkerScheduler:
     def reseat(self, rs: RequestState) -> None:
         """A running request's sample ended: its tenant counts the samples that go on."""
         if rs.seats:
-            self.ledger.seated(rs.req.tenant.name, len(rs.live_samples) - rs.seats)
-            rs.seats = len(rs.live_samples)
+            self._seat(rs, len(rs.live_samples))
 
     def unseat(self, rs: RequestState) -> None:
         """The request no longer runs here: its tenant's running sequences go down by those it counted."""
         if rs.seats:
-            self.ledger.seated(rs.req.tenant.name, -rs.seats)
-            rs.seats = 0
+            self._seat(rs, 0)
+
+    def _seat(self, rs: RequestState, num_seqs: int) -> None:
+        """The request's tenant counts `num_seqs` running sequences for it: its count and the ledger's move together."""
+        self.ledger.seated(rs.req.tenant.name, num_seqs - rs.seats)
+        rs.seats = num_seqs
 
     def pop_finished(self) -> list[FinishedRequest]:
         """Requests that ended here and that no plan in flight carries any more: the worker writes the tokens
