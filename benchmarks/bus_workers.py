@@ -43,7 +43,7 @@ class BusWorker:
             parent = self.lengths.get(new.fork_of, 0) if new.fork_of is not None else 0
             self.lengths[new.seq_id] = parent + len(new.prompt_token_ids) + len(new.output_token_ids)
         chunks, sampled = [], []
-        for s in plan.scheduled:
+        for s in plan.sequences():
             end = s.num_computed_tokens + s.num_new_tokens
             chunks.append(ChunkSize(s.num_computed_tokens, s.num_new_tokens))
             if end >= self.lengths.get(s.seq_id, 0):  # its end (a lookahead counts the token in flight before it)

@@ -136,8 +136,8 @@ class Simulation:
         runner: SimulatedRunner = worker.runner
         load = self.load[worker_id]
         load.steps += 1
-        load.sequences += len(plan.scheduled)
-        load.most_sequences = max(load.most_sequences, len(plan.scheduled))
+        load.sequences += plan.num_sequences
+        load.most_sequences = max(load.most_sequences, plan.num_sequences)
         self.busy.add(worker_id)
         self._push(self.now + runner.last_step_s, "step", (worker_id, outcome))
 

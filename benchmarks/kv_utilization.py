@@ -119,7 +119,7 @@ def run_paged(jobs: list[Job], cfg: Config, *, caching: bool = False, reserving:
             reserved = sum(min(lengths[(rid, s.seq_id)], final[rid]) - s.num_computed for rid, s in seqs)
             stats = ws.stats()
             held = (stats.num_blocks - stats.free_blocks) * bs
-            tally.add(len(plan.scheduled) if plan else 0, tokens, held, reserved, 0, sum(lengths.values()))
+            tally.add(plan.num_sequences if plan else 0, tokens, held, reserved, 0, sum(lengths.values()))
         step += 1
     sched.pop_finished()
     return tally

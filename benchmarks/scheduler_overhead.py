@@ -50,7 +50,7 @@ def measure(num_seqs: int, caching: bool, steps: int, prompt_len: int, prefix_le
     while True:  # warm up: prefill everything
         plan = sched.schedule("w0")
         sched.apply_result(worker.execute(plan).result)
-        if len(plan.scheduled) == num_seqs and all(s.num_new_tokens == 1 for s in plan.scheduled):
+        if plan.num_sequences == num_seqs and all(s.num_new_tokens == 1 for s in plan.sequences()):
             break
     samples = []
     for _ in range(steps):
@@ -61,8 +61,8 @@ def measure(num_seqs: int, caching: bool, steps: int, prompt_len: int, prefix_le
         t2 = time.perf_counter()
         sched.apply_result(result)
         t3 = time.perf_counter()
-        if len(plan.scheduled) != num_seqs:
-            raise RuntimeError(f"expected {num_seqs} sequences a step, planned {len(plan.scheduled)}")
+        if plan.num_sequences != num_seqs:
+            raise RuntimeError(f"expected {num_seqs} sequences a step, planned {plan.num_sequences}")
         samples.append(((t1 - t0) + (t3 - t2)) * 1e6)
     return samples
 

@@ -44,7 +44,7 @@ class TokenWorker:
             self.seqs[new.seq_id] = TokenSeq(new.rid, new.sample_index, new.params, prompt + new.output_token_ids,
                                              len(new.output_token_ids))
         outputs, seq_ids, beams = [], [], []
-        for sched in plan.scheduled:
+        for sched in plan.sequences():
             seq = self.seqs[sched.seq_id]
             seq.tokens += sched.append_token_ids
             seq.num_outputs += len(sched.append_token_ids)

@@ -98,13 +98,14 @@ class Worker:
 
     def execute(self, plan: StepPlan) -> StepOutcome:
         reg = self._registration
+        sequences = plan.sequences()
         try:
-            failed = self._check(plan)
+            failed = self._check(plan, sequences)
         except PlanError as e:
             log.error("refused step %d of epoch %d: %s", plan.step_id, plan.epoch, e)
             self._enter_epoch(plan.epoch)
             self._free(plan.freed)
-            self.stopped.update(self._step_seq_ids(plan))
+            self.stopped.update(_seq_ids(plan, sequences))
             return StepOutcome(StepResult(reg.worker_id, plan.epoch, plan.step_id, error=f"bad step plan: {e}"))
         self._enter_epoch(plan.epoch)
         self._free(plan.freed)
@@ -126,7 +127,7 @@ class Worker:
         self.stopped.update(failed)
         chunks = []
         drafts: dict[int, list[int]] = {}
-        for item in plan.scheduled:
+        for item in sequences:
             if item.seq_id in self.stopped:
                 continue
             seq = self.seqs[item.seq_id]
@@ -149,7 +150,7 @@ class Worker:
         try:
             sampled_tokens = self.runner.execute(chunks, self.eos_token_ids, drafts)
         except Exception:
-            self.stopped.update(self._step_seq_ids(plan))
+            self.stopped.update(_seq_ids(plan, sequences))
             raise
         # a sequence whose grammar failed (it rejects the output a resumed request brings, or its work ran out of
         # fuel) is failed alone: its token, sampled unconstrained, is dropped
@@ -247,11 +248,7 @@ class Worker:
             self.seqs.pop(seq_id, None)
             self.stopped.discard(seq_id)
 
-    @staticmethod
-    def _step_seq_ids(plan: StepPlan) -> list[int]:
-        return [m.seq_id for m in plan.new_sequences] + [item.seq_id for item in plan.scheduled]
-
-    def _check(self, plan: StepPlan) -> dict[int, str]:
+    def _check(self, plan: StepPlan, sequences: list[ScheduledSequence]) -> dict[int, str]:
         """Raise PlanError when the plan as a whole cannot run against the state it will meet (another
         worker's, block moves out of range, a sequence sent twice); return the sequences it names that cannot
         run (seq id → why): those alone are refused."""
@@ -285,7 +282,7 @@ class Worker:
         seen = set()
         stopped = (self.stopped - set(plan.freed) - {m.seq_id for m in plan.new_sequences}
                  if plan.epoch == self.epoch else set())
-        for item in plan.scheduled:
+        for item in sequences:
             sid = item.seq_id
             if sid in stopped or sid in failed:
                 continue  # skipped, whatever the plan says of it
@@ -333,3 +330,8 @@ def _check_pairs(name: str, pairs: list[tuple[int, int]], src_range: tuple[int, 
         if not (src_range[0] <= src < src_range[1] and dst_range[0] <= dst < dst_range[1]):
             raise PlanError(f"{name} pair ({src}, {dst}) is out of range: sources {src_range[0]}.."
                             f"{src_range[1] - 1}, targets {dst_range[0]}..{dst_range[1] - 1}")
+
+
+def _seq_ids(plan: StepPlan, sequences: list[ScheduledSequence]) -> list[int]:
+    """Every sequence the plan names."""
+    return [m.seq_id for m in plan.new_sequences] + [item.seq_id for item in sequences]

@@ -94,6 +94,8 @@ class SamplingGroup(ForkingGroup):
         """A token the worker sampled: appended to its sample, which may end there (and the request with it)."""
         output = rs.outputs[seq.sample_index]
         output.append(token_id)
+        if token_id not in rs.ends_on and len(output) < rs.ends_at:
+            return  # (most tokens: finish_reason, which says why a sample ends, need not run)
         reason = finish_reason(rs.req.params, output, rs.prompt_len + len(output), ws.reg.max_model_len,
                                ws.reg.eos_token_ids)
         if reason is None:
@@ -131,8 +133,7 @@ class BeamGroup(ForkingGroup):
         """Keep the best continuations (scheduler/beam_search.py). A beam that goes on in several ways forks its
         sequence (its blocks shared, copy-on-write); one that does not is freed."""
         params, reg, search = rs.req.params, ws.reg, self.search
-        stops = params.stop_tokens(reg.eos_token_ids)
-        max_new = min(params.max_tokens, reg.max_model_len - rs.prompt_len)
+        stops, max_new = rs.ends_on, rs.ends_at
 
         def stop_reason(token: int, length: int) -> str | None:
             return "stop" if token in stops else "length" if length >= max_new else None

@@ -68,8 +68,7 @@ class Synchronous:
 class Lookahead:
     """At most one plan ahead of the one the worker computes, its sequences counting their tokens in flight."""
 
-    def __init__(self, max_model_len: int) -> None:
-        self.max_model_len = max_model_len
+    def __init__(self) -> None:
         self.draining = False  # short of blocks while a plan was in flight: the next plan waits for the pipeline
         self.times = StepTimes()
 
@@ -102,10 +101,9 @@ class Lookahead:
 
     def target(self, rs: RequestState, seq: SeqState, known: int) -> int:
         placeholders = seq.num_placeholders
-        # Nothing after tokens in flight that are sure to end the sequence: max_tokens or max_model_len (an EOS
-        # cannot be foreseen: the worker skips a sequence it saw end).
-        if placeholders and (len(rs.outputs[seq.sample_index]) + placeholders >= rs.req.params.max_tokens
-                             or rs.num_tokens(seq) + placeholders >= self.max_model_len):
+        # Nothing after tokens in flight that are sure to end the sequence: max_tokens or max_model_len, as its
+        # worker's scheduler set `ends_at` (an EOS cannot be foreseen: the worker skips a sequence it saw end).
+        if placeholders and len(rs.outputs[seq.sample_index]) + placeholders >= rs.ends_at:
             return seq.num_computed
         return known + placeholders
 

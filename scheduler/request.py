@@ -86,6 +86,10 @@ class RequestState:
     queued: bool = True  # never admitted yet: it counts against its tenant's queue limits (scheduler/ledger.py)
     queued_since: float | None = None  # first tick that saw it queued
     seats: int = 0  # sequences its tenant counts as running for it (since it was admitted or swapped in last)
+    # On its worker (set as it is placed there): the tokens that end a sample (its stop tokens and the model's EOS,
+    # params.stop_tokens), and the output length that does (max_tokens, or max_model_len less its prompt)
+    ends_on: frozenset[int] = frozenset()
+    ends_at: int = 0
 
     def __post_init__(self) -> None:
         self.gateway_id = self.req.gateway_id

@@ -32,7 +32,6 @@ HISTORY_INTERVAL_S = 1.0
 HISTORY_LEN = 300  # five minutes of samples
 MAX_HOLDER_ENTRIES = 1 << 16  # (request, block) pairs per worker: 256 KiB of block ids
 _NUM_NEW = attrgetter("num_new_tokens")
-_EMITS = attrgetter("emits_token")
 
 
 @dataclass(slots=True)
@@ -71,9 +70,9 @@ class CacheMonitor:
         w = self._worker(ws)
         steps = w.steps
         steps.steps += 1
-        steps.seqs += len(plan.scheduled)
-        steps.tokens += sum(map(_NUM_NEW, plan.scheduled))
-        steps.sampled += sum(map(_EMITS, ws.in_flight[-1].chunks))
+        steps.seqs += plan.num_sequences
+        steps.tokens += sum(map(_NUM_NEW, plan.scheduled)) + len(plan.decodes.seq_ids)
+        steps.sampled += ws.in_flight[-1].num_sampling()
         if plan.copies or plan.swap_in or plan.swap_out:
             first = ws.in_flight[0].step_id
             while w.moves and w.moves[0][0] < first:

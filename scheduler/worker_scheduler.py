@@ -32,7 +32,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Callable
+from typing import Callable, Iterator
 
 from scheduler.beam_search import Hypothesis
 from scheduler.groups import Chunk
@@ -49,6 +49,7 @@ from shared.protocol import (
 from shared.settings import Settings
 
 ORDER = attrgetter("rank")
+SEQS = attrgetter("seqs")
 # What a step's result still acts on: its running requests, and those a lookahead preempted while the step computed
 # their tokens (a recompute-preempted request has a chunk in flight only then: every other plan is made with none).
 LIVE = (Status.RUNNING, Status.PREEMPTED)
@@ -75,11 +76,34 @@ class Scheduled:
 
 
 @dataclass(slots=True)
+class DecodeRun:
+    """The fast lane's chunks (`_decode_alone`): consecutive running requests' lone sequences, a decode token each,
+    in plan order, as columns (they are most chunks of most steps: no object each)."""
+    requests: list[RequestState] = field(default_factory=list)
+    seqs: list[SeqState] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)  # the token's position: its sequence's num_computed before it
+    # Where its result indexes blocks (in the prefix cache): a token that fills one, or a fork's (see _commit)
+    commits: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class InFlight:
     step_id: int
-    chunks: list[Scheduled]
+    chunks: list[Scheduled | DecodeRun]  # in plan order
     drafting: bool = False  # a sequence may check a draft: how many tokens it ends with is known only from its result
     ahead: bool = False  # a lookahead: planned behind another plan in flight, or after it because the clock held it
+
+    def requests(self) -> Iterator[RequestState]:
+        """Each chunk's request, in plan order."""
+        for c in self.chunks:
+            if type(c) is DecodeRun:
+                yield from c.requests
+            else:
+                yield c.rs
+
+    def num_sampling(self) -> int:
+        """Chunks that reach their sequence's end: the worker samples a token after each."""
+        return sum(len(c.seqs) if type(c) is DecodeRun else c.emits_token for c in self.chunks)
 
 
 @dataclass(slots=True)
@@ -87,7 +111,7 @@ class StepBuilder:
     plan: StepPlan
     budget: int  # tokens left
     seqs_left: int
-    chunks: list[Scheduled] = field(default_factory=list)
+    chunks: list[Scheduled | DecodeRun] = field(default_factory=list)
     running_seqs: int = 0  # sequences of running requests, kept up to date while admitting
     preempted: bool = False  # a running request's chunks preempted another
     victims: list[RequestState] = field(default_factory=list)  # preempted in this step: they wait for the next one
@@ -121,7 +145,7 @@ class WorkerScheduler:
     def __init__(self, reg: WorkerRegistration, settings: Settings, epoch: int, ids: Ids, ledger: Ledger,
                  reservation: Reservation | None = None) -> None:
         self.reg = reg
-        self.pacing = Lookahead(reg.max_model_len) if settings.async_scheduling else Synchronous()
+        self.pacing = Lookahead() if settings.async_scheduling else Synchronous()
         self.reservation = reservation or OnDemand()
         self.ledger = ledger
         self.policy = policy_for(settings.scheduling_policy, ledger)
@@ -151,7 +175,7 @@ class WorkerScheduler:
 
     @property
     def num_running_seqs(self) -> int:
-        return sum(len(rs.seqs) for rs in self.running)
+        return sum(map(len, map(SEQS, self.running)))  # (each step counts them: in C)
 
     def stats(self) -> WorkerStats:
         kv, pool = self.kv, self.kv.pool
@@ -172,6 +196,8 @@ class WorkerScheduler:
     def enqueue(self, rs: RequestState) -> None:
         rs.status = Status.WAITING
         rs.worker_id = self.worker_id
+        rs.ends_on = rs.req.params.stop_tokens(self.reg.eos_token_ids)
+        rs.ends_at = min(rs.req.params.max_tokens, self.reg.max_model_len - rs.prompt_len)
         bisect.insort(self.waiting, rs, key=ORDER)
 
     # ---- one step -------------------------------------------------------------------------
@@ -187,12 +213,16 @@ class WorkerScheduler:
         if self.running and not self._make_room(step):
             return None  # the room waits for the plans in flight: no plan behind them keeps the head out longer
         lane = not self.drafting.max_draft  # (a draft goes with a decode token: the general path offers it)
-        for rs in list(self.running):
-            if step.full or step.blocked:
-                break
-            # (one a request before it preempted in this step is running no more)
-            if rs.status is Status.RUNNING and not (lane and self._decode_alone(rs, step)):
+        running, i = list(self.running), 0
+        while i < len(running) and not (step.full or step.blocked):
+            if lane:
+                i = self._decode_alone(running, i, step)
+                if i == len(running) or step.full:
+                    break
+            rs = running[i]
+            if rs.status is Status.RUNNING:  # (one a request before it preempted in this step is running no more)
                 self._schedule_running(rs, step)
+            i += 1
         # After a preemption, admitting would only preempt again, unless nothing is left running.
         if not step.blocked and (not step.preempted or not self.running) and (self.waiting or self.preempted):
             self._admit_all(step)
@@ -242,33 +272,63 @@ class WorkerScheduler:
             if victim is rs:
                 return
 
-    def _decode_alone(self, rs: RequestState, step: StepBuilder) -> bool:
-        """What most running requests take in most steps, planned without the general path's objects: one sampled
-        sequence's next token, written into the block it writes already or one new block, with nothing else to send
-        (no table resent, no tokens appended; no draft: the caller asks only when none may be offered). False, with
-        nothing changed, for anything else, which `_schedule_running` plans; both plan it alike
-        (tests/test_scheduler_core.py compares them). It runs for every sequence in every step: written out."""
-        seqs, group = rs.seqs, rs.group
-        if len(seqs) != 1 or group.fork_at is not None or not group.samples_tokens:
-            return False
-        seq = seqs[0]
-        if not seq.sent or seq.resend_table or seq.appended:
-            return False
-        start = seq.num_computed
-        if self.pacing.target(rs, seq, rs.num_tokens(seq)) != start + 1:
-            return False  # nothing to compute before its token in flight comes back, or a prompt's chunk
-        new_block_ids = self.kv.grow_by_one(seq.seq_id, start)
-        if new_block_ids is None:
-            return False
-        step.plan.scheduled.append(ScheduledSequence(seq.seq_id, start, 1, new_block_ids))
-        seq.num_computed = start + 1
-        self.pacing.scheduled(seq, True)
-        step.chunks.append(Scheduled(rs, seq, start, 1, True))
-        step.budget -= 1
-        step.seqs_left -= 1
-        prefill = int(start < rs.prompt_len)
-        self.ledger.charge(rs.req.tenant, prefill, 1 - prefill)
-        return True
+    def _decode_alone(self, running: list[RequestState], i: int, step: StepBuilder) -> int:
+        """What most running requests take in most steps, planned without the general path's objects (the plan's
+        `decodes`, shared/protocol.py): from `running[i]` on, each request's one sampled sequence's next decode token,
+        written into the block it writes already or one new block, with nothing else to send (no table resent, no
+        tokens appended; no draft: the caller asks only when none may be offered), until the step is full or a request
+        needs more; the index of that one, which `_schedule_running` plans. Both plan alike
+        (tests/test_scheduler_core.py compares them). It runs for every sequence in every step: written out, on
+        locals."""
+        run, decodes = DecodeRun(), step.plan.decodes
+        add_request, add_seq, add_start = run.requests.append, run.seqs.append, run.starts.append
+        add_id, add_computed = decodes.seq_ids.append, decodes.num_computed_tokens.append
+        target, scheduled, grow_by_one = self.pacing.target, self.pacing.scheduled, self.kv.grow_by_one
+        block_size = self.kv.block_size
+        budget, seqs_left = step.budget, step.seqs_left
+        for i in range(i, len(running)):
+            if not (budget and seqs_left):
+                break
+            rs = running[i]
+            if rs.status is not Status.RUNNING:
+                continue  # a request before it preempted it in this step
+            seqs, group = rs.seqs, rs.group
+            if len(seqs) != 1 or group.fork_at is not None or not group.samples_tokens:
+                break
+            seq = seqs[0]
+            if not seq.sent or seq.resend_table:  # (a sampling group's sequences are never given tokens)
+                break
+            start = seq.num_computed
+            known = rs.prompt_len + len(rs.outputs[seq.sample_index])
+            if start < rs.prompt_len or target(rs, seq, known) != start + 1:
+                break  # a prompt's chunk, or nothing to compute before its token in flight comes back
+            # Mid-block, the block it writes is its own: only full blocks are shared (prefix hits), but for a fork's
+            # last one, and a lone sequence has no fork beside it.
+            if not start % block_size:
+                new_block_ids = grow_by_one(seq.seq_id, start)
+                if new_block_ids is None:
+                    break
+                if new_block_ids:
+                    decodes.growing.append(len(decodes.seq_ids))
+                    decodes.new_block_ids += new_block_ids
+            if not (start + 1) % block_size or seq.fork_of is not None:
+                run.commits.append(len(run.seqs))
+            add_id(seq.seq_id)
+            add_computed(start)
+            seq.num_computed = start + 1
+            scheduled(seq, True)
+            add_request(rs)
+            add_seq(seq)
+            add_start(start)
+            budget -= 1
+            seqs_left -= 1
+        else:
+            i = len(running)
+        if run.seqs:
+            step.chunks.append(run)
+            step.budget, step.seqs_left = budget, seqs_left
+            self.ledger.charge_decodes([rs.req.tenant for rs in run.requests])
+        return i
 
     def _chunks(self, rs: RequestState, step: StepBuilder) -> list[Chunk]:
         """The request's next chunks, as its group takes them, within what is left of the budget and the cap; a
@@ -362,6 +422,8 @@ class WorkerScheduler:
         """Admit preempted and waiting requests in the policy's order until one does not fit. One preempted in this
         step waits for the next (back at once, it would undo that; a lookahead's victim has its token in flight still),
         unless nothing would run then: with no plan in flight, the worker takes it back rather than idle."""
+        if len(self.running) >= self.settings.max_num_seqs:
+            return  # every running request holds a sequence at least: none fits (nor, below, does any victim)
         step.running_seqs = self.num_running_seqs
         self._admit_in_order(step, passed_over=step.victims)
         if step.victims and not self.running and not self.in_flight:
@@ -402,7 +464,9 @@ class WorkerScheduler:
 
     def _fits(self, rs: RequestState) -> bool:
         settings, kv = self.settings, self.kv
-        if self.num_running_seqs + len(rs.live_samples) > settings.max_num_seqs:
+        # (Every running request holds a sequence at least: a full worker is told without counting them.)
+        if len(self.running) + len(rs.live_samples) > settings.max_num_seqs or \
+                self.num_running_seqs + len(rs.live_samples) > settings.max_num_seqs:
             return False
         if rs.status is Status.SWAPPED:
             needed = kv.swap_in_blocks([s.seq_id for s in rs.seqs])
@@ -502,52 +566,107 @@ class WorkerScheduler:
         # (a worker also waits for a plan sent to it idle, from before the scheduler had anything to plan: no lead)
         self.pacing.step_ended(now, result.waited if flight.ahead else 0.0, bool(self.in_flight))
         if result.error is not None:
-            for rs in {id(c.rs): c.rs for c in chunks}.values():
+            for rs in {id(rs): rs for rs in flight.requests()}.values():
                 if rs.status in LIVE:
                     self.finish(rs, "error", f"worker {self.worker_id} failed the step: {result.error}", FAILED)
             return
-        emitting: dict[int, Scheduled] = {}  # seq id → its chunk that reached the end
-        reporting: dict[int, Scheduled] = {}  # beams: seq id → its chunk that reached the end
-        for c in chunks:
-            if c.rs.status is not Status.RUNNING or c.seq not in c.rs.seqs:
-                if c.emits_token and c.rs.status is Status.PREEMPTED:
-                    emitting[c.seq.seq_id] = c  # preempted while in flight: its token alone counts
-                continue  # else aborted, or its sample ended, while in flight
-            self.kv.commit(c.seq.seq_id, c.rs.prompt, c.rs.outputs[c.seq.sample_index], c.start + c.num_new,
-                           c.rs.root)
-            if c.emits_token:
-                emitting[c.seq.seq_id] = c
-            elif c.rs.group.reports(c.rs, c.seq, c.start + c.num_new):
-                reporting[c.seq.seq_id] = c
+        emitting, reporting = self._commit(chunks)
         for refused in result.refused:  # the worker could not run this request's sequences
-            rs = next((c.rs for c in chunks if c.rs.rid == refused.rid), None)
+            rs = next((rs for rs in flight.requests() if rs.rid == refused.rid), None)
             if rs is not None and rs.status in LIVE:
                 self.finish(rs, "error", refused.error, FAILED)
-        received: dict[int, int] = {}  # seq id → tokens it emitted in this step
-        for seq_id, token_id in zip(result.seq_ids, result.token_ids):
-            c = emitting.get(seq_id)
-            if c is None or not _takes_token(c):
-                continue
-            n = received.get(seq_id, 0)
-            if n > c.num_draft:  # more tokens than its draft allows: not this step's
-                continue
-            received[seq_id] = n + 1
-            if not n:
-                self.pacing.token_arrived(c.seq)
-            c.rs.group.token(self, c.rs, c.seq, token_id)
+        received, missing = self._take_tokens(chunks, emitting, result)
         if self.drafting.max_draft:
             self._drafts_checked(chunks, result, received)
         for beams in result.beams:
             c = reporting.pop(beams.seq_id, None)
             if c is not None and c.rs.status is Status.RUNNING:
                 c.rs.group.candidates(self, c.rs, c.seq, beams.top)
-        missing = [c for c in emitting.values() if c.seq.seq_id not in received]
         for c in [*missing, *reporting.values()]:
             # The worker samples every sequence a plan asks it to and skips only those it saw end, as the
             # scheduler does: a token missing here means the two disagree, and sampling again could loop.
             if c.rs.status in LIVE:
                 self.finish(c.rs, "error", f"worker {self.worker_id} returned no token for sample "
                                            f"{c.seq.sample_index} in step {result.step_id}", FAILED)
+
+    def _commit(self, chunks: list[Scheduled | DecodeRun]) -> tuple[dict[int, Scheduled], dict[int, Scheduled]]:
+        """Index the blocks the step's chunks filled (a decode run's, where its plan noted one: `commits`); the general
+        path's chunks that reached their sequence's end, by sequence id: those that sample a token, and those that
+        report a beam's candidates. (It runs every step: written out, on locals.)"""
+        emitting: dict[int, Scheduled] = {}
+        reporting: dict[int, Scheduled] = {}
+        commit, block_size, drafting = self.kv.commit, self.kv.block_size, self.drafting.max_draft
+        running = Status.RUNNING
+        for c in chunks:
+            # The prefix index has every full block before a chunk's start, as the results before it committed them,
+            # except a fork's (its parent's tokens may have been in flight) or after a draft's rejected tokens.
+            if type(c) is DecodeRun:
+                for k in c.commits:
+                    rs, seq = c.requests[k], c.seqs[k]
+                    if rs.status is running and seq in rs.seqs:
+                        commit(seq.seq_id, rs.prompt, rs.outputs[seq.sample_index], c.starts[k] + 1, rs.root)
+                continue
+            rs, seq = c.rs, c.seq
+            if rs.status is not running or seq not in rs.seqs:
+                if c.emits_token and rs.status is Status.PREEMPTED:
+                    emitting[seq.seq_id] = c  # preempted while in flight: its token alone counts
+                continue  # else aborted, or its sample ended, while in flight
+            end = c.start + c.num_new
+            if end // block_size != c.start // block_size or seq.fork_of is not None or drafting:
+                commit(seq.seq_id, rs.prompt, rs.outputs[seq.sample_index], end, rs.root)
+            if c.emits_token:
+                emitting[seq.seq_id] = c
+            elif rs.group.reports(rs, seq, end):
+                reporting[seq.seq_id] = c
+        return emitting, reporting
+
+    def _take_tokens(self, chunks: list[Scheduled | DecodeRun], emitting: dict[int, Scheduled],
+                     result: StepResult) -> tuple[dict[int, int], list[Scheduled]]:
+        """Give each chunk that sampled its tokens, in the order the scheduler planned them (its worker samples a
+        plan's `decodes` first): a token counts if its sequence runs on, or if its request was preempted while it was
+        in flight. How many each
+        sequence took, and the chunks whose token did not come. (It runs for every sequence in every step: written
+        out, on locals.)"""
+        drafting = self.drafting.max_draft
+        sampled: dict[int, list[int]] | dict[int, int]
+        if drafting:  # a sequence that checked a draft emits several
+            sampled = {}
+            for seq_id, token_id in zip(result.seq_ids, result.token_ids):
+                sampled.setdefault(seq_id, []).append(token_id)
+        else:
+            sampled = dict(zip(result.seq_ids, result.token_ids))
+        received: dict[int, int] = {}
+        missing: list[Scheduled] = []
+        token_arrived = self.pacing.token_arrived
+        running, preempted = Status.RUNNING, Status.PREEMPTED
+        for c in chunks:
+            if type(c) is DecodeRun:
+                for rs, seq, start in zip(c.requests, c.seqs, c.starts):
+                    status = rs.status
+                    if status is preempted or (status is running and seq in rs.seqs):
+                        token_id = sampled.get(seq.seq_id)
+                        if token_id is None:
+                            missing.append(Scheduled(rs, seq, start, 1, True))
+                            continue
+                        token_arrived(seq)
+                        rs.group.token(self, rs, seq, token_id)
+                continue
+            seq_id = c.seq.seq_id
+            if emitting.get(seq_id) is not c:
+                continue
+            tokens = sampled.get(seq_id)
+            if tokens is None:
+                missing.append(c)
+                continue
+            rs, seq = c.rs, c.seq
+            for n, token_id in enumerate(tokens if drafting else (tokens,)):
+                if n > c.num_draft or not (rs.status is preempted or (rs.status is running and seq in rs.seqs)):
+                    break  # more tokens than its draft allows, or its sample ended on the one before
+                received[seq_id] = n + 1
+                if not n:
+                    token_arrived(seq)
+                rs.group.token(self, rs, seq, token_id)
+        return received, missing
 
     def _drafts_checked(self, chunks: list[Scheduled], result: StepResult, received: dict[int, int]) -> None:
         """A drafting sequence's accepted tokens have their KV computed: it counts them, commits the blocks they
@@ -602,7 +721,7 @@ class WorkerScheduler:
         of a plan it runs, and none may follow the request's end on its stream."""
         if not self.finished:
             return []
-        carried = {c.rs.rid for flight in self.in_flight for c in flight.chunks}
+        carried = {rs.rid for flight in self.in_flight for rs in flight.requests()}
         done = [f for f in self.finished if f.rid not in carried]
         self.finished = [f for f in self.finished if f.rid in carried]
         return done
@@ -610,12 +729,6 @@ class WorkerScheduler:
 
 # How a cluster makes each worker's scheduler: WorkerScheduler itself, or one given another reservation.
 WorkerSchedulerFactory = Callable[[WorkerRegistration, Settings, int, Ids, Ledger], WorkerScheduler]
-
-
-def _takes_token(c: Scheduled) -> bool:
-    """Whether the token sampled at the end of the chunk counts: its sequence runs on, or its request was preempted
-    while it was in flight."""
-    return c.rs.status is Status.PREEMPTED or (c.rs.status is Status.RUNNING and c.seq in c.rs.seqs)
 
 
 def _writes(chunks: list[Chunk]) -> list[Write]:

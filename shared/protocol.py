@@ -20,7 +20,7 @@ import msgpack
 from shared.sampling import SamplingParams
 from shared.tenants import Tenant
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 # Why the scheduler ended a request with an error, so the gateway can answer with the right status.
 REJECTED = "rejected"  # the request can never be served as sent (e.g. longer than any worker's cache): 400
 UNAVAILABLE = "unavailable"  # no worker took it in time: 503, worth retrying
@@ -119,10 +119,36 @@ class ScheduledSequence:
 
 
 @dataclass(slots=True)
+class Decodes:
+    """A decode token each for sequences the worker holds, with nothing else to send (most sequences of most steps),
+    as columns: sequence `seq_ids[i]` computes the token after its first `num_computed_tokens[i]`; those at the
+    positions `growing` names (ascending) first append to their block table the block `new_block_ids` gives at the
+    same place. Each is the ScheduledSequence(seq_ids[i], num_computed_tokens[i], 1, [its new block, if any])."""
+    seq_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    growing: list[int] = field(default_factory=list)
+    new_block_ids: list[int] = field(default_factory=list)
+
+    def validate(self) -> None:
+        if len(self.seq_ids) != len(self.num_computed_tokens):
+            raise ValueError(f"{len(self.seq_ids)} seq ids for {len(self.num_computed_tokens)} token counts")
+        if len(self.growing) != len(self.new_block_ids):
+            raise ValueError(f"{len(self.growing)} growing sequences for {len(self.new_block_ids)} new blocks")
+        if any(not 0 <= i < len(self.seq_ids) for i in self.growing) or any(
+                a >= b for a, b in zip(self.growing, self.growing[1:])):
+            raise ValueError(f"growing positions must ascend within the {len(self.seq_ids)} sequences")
+
+    def items(self) -> list[ScheduledSequence]:
+        new_blocks = dict(zip(self.growing, self.new_block_ids))
+        return [ScheduledSequence(seq_id, start, 1, [new_blocks[i]] if i in new_blocks else [])
+                for i, (seq_id, start) in enumerate(zip(self.seq_ids, self.num_computed_tokens))]
+
+
+@dataclass(slots=True)
 class StepPlan:
     """scheduler → worker (`plans:{worker}` stream): one step, as deltas against the worker's state.
 
-    Order of work on the worker: free `freed`, swap out, swap in, copies, then the forward pass.
+    Order of work on the worker: free `freed`, swap out, swap in, copies, then the forward pass over `sequences()`.
     """
     worker_id: str
     epoch: int
@@ -133,6 +159,15 @@ class StepPlan:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, swap block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (swap block, device block)
     freed: list[int] = field(default_factory=list)  # seq ids whose state the worker drops (their blocks are free)
+    decodes: Decodes = field(default_factory=Decodes)  # the scheduler's fast lane: no object per sequence
+
+    def sequences(self) -> list[ScheduledSequence]:
+        """Every sequence the step computes, in the order it computes them: `decodes`, then `scheduled`."""
+        return self.decodes.items() + self.scheduled if self.decodes.seq_ids else self.scheduled
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.scheduled) + len(self.decodes.seq_ids)
 
 
 @dataclass(slots=True)
@@ -492,8 +527,9 @@ def _list(item_type: Any) -> Callable[[Any], Any]:
     def check(value: Any) -> Any:
         if type(value) is not list:
             raise _Invalid(f"expected a list, got {type(value).__name__}")
-        if item is _int and all(type(v) is int and _INT64[0] <= v <= _INT64[1] for v in value):
-            return value  # token lists: the common case, checked in one pass
+        if item is _int and (not value or set(map(type, value)) == {int} and _INT64[0] <= min(value)
+                             and max(value) <= _INT64[1]):
+            return value  # token lists: the common case, checked in C
         out = []
         for i, v in enumerate(value):
             try:

@@ -82,7 +82,7 @@ class SimWorker:
         computed = []
         verified: dict[int, tuple[int, list[int]]] = {}  # seq id → its draft's length and the tokens its step gives
         beams: list[BeamCandidates] = []
-        for sched in plan.scheduled:
+        for sched in plan.sequences():
             seq = self.seqs[sched.seq_id]
             if sched.block_table is not None:
                 seq.table = list(sched.block_table)

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from shared.protocol import (
-    MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Abort, NewSequence, ProtocolError, PromptLogprob, RefusedRequest, Request,
-    ScheduledSequence, SchedulerStats, StepPlan, StepResult, TokenOutput, WorkerGone, WorkerRegistration, WorkerStats,
-    decode, encode,
+    MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Abort, Decodes, NewSequence, ProtocolError, PromptLogprob, RefusedRequest,
+    Request, ScheduledSequence, SchedulerStats, StepPlan, StepResult, TokenOutput, WorkerGone, WorkerRegistration,
+    WorkerStats, decode, encode,
 )
 from shared.sampling import SamplingParams
 
@@ -25,7 +25,8 @@ EXAMPLES = [
     StepPlan("w0", 3, 17,
              new_sequences=[NewSequence(5, "r1", 1, [1, 2, 3], [9], PARAMS)],
              scheduled=[ScheduledSequence(5, 0, 4, [7, 8]), ScheduledSequence(6, 30, 1, [], [1, 2, 3])],
-             copies=[(7, 9)], swap_out=[(3, 0)], swap_in=[(1, 4)], freed=[2, 3]),
+             copies=[(7, 9)], swap_out=[(3, 0)], swap_in=[(1, 4)], freed=[2, 3],
+             decodes=Decodes([11, 12, 13], [40, 47, 63], [0, 2], [21, 22])),
     StepResult("w0", 3, 17, [5, 6, 6], [42, 7, 9], [RefusedRequest("r2", "bad step plan: unknown sequence 8")]),
     StepResult("w0", 3, 18, error="CUDA out of memory"),
     TokenOutput("r1", 1, 0, 42, -0.25, [(42, -0.25), (7, -1.5)], "stop",
@@ -61,6 +62,30 @@ def test_a_list_of_messages_travels_as_columns_checked_like_fields(mutate, messa
     assert body["scheduled"]["seq_id"] == [5, 6] and "block_table" in body["scheduled"]
     assert "append_token_ids" not in body["scheduled"], "a column at its default everywhere is left out"
     mutate(body)
+    with pytest.raises(ProtocolError, match=message):
+        decode(msgpack.packb(body))
+
+
+def test_a_plans_decodes_stand_for_a_decode_token_each_after_the_scheduled_ones():
+    plan = EXAMPLES[4]
+    assert plan.num_sequences == 5
+    assert [(s.seq_id, s.num_computed_tokens, s.num_new_tokens, s.new_block_ids) for s in plan.sequences()[:3]] == [
+        (11, 40, 1, [21]), (12, 47, 1, []), (13, 63, 1, [22])]
+    assert plan.sequences()[3:] == plan.scheduled
+    assert _body(plan)["decodes"] == {"seq_ids": [11, 12, 13], "num_computed_tokens": [40, 47, 63],
+                                      "growing": [0, 2], "new_block_ids": [21, 22]}, "columns of plain ints"
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d["num_computed_tokens"].pop(), "StepPlan.decodes: 3 seq ids for 2 token counts"),
+    (lambda d: d["new_block_ids"].pop(), "StepPlan.decodes: 2 growing sequences for 1 new blocks"),
+    (lambda d: d.update(growing=[2, 0]), "StepPlan.decodes: growing positions must ascend within the 3 sequences"),
+    (lambda d: d.update(growing=[0, 3]), "StepPlan.decodes: growing positions must ascend within the 3 sequences"),
+    (lambda d: d["seq_ids"].__setitem__(0, 1.5), r"StepPlan.decodes.seq_ids\[0\]: expected a 64-bit int, got float"),
+])
+def test_malformed_decodes_are_a_typed_error(mutate, message):
+    body = _body(EXAMPLES[4])
+    mutate(body["decodes"])
     with pytest.raises(ProtocolError, match=message):
         decode(msgpack.packb(body))
 

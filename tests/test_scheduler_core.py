@@ -9,7 +9,7 @@ from sched_sim import SimWorker, drive
 from scheduler.cluster import Cluster
 from scheduler.request import FinishedRequest
 from scheduler.worker_scheduler import WorkerScheduler
-from shared.protocol import FAILED, REJECTED, UNAVAILABLE, Request, StepResult, WorkerRegistration, encode
+from shared.protocol import FAILED, REJECTED, UNAVAILABLE, Decodes, Request, StepResult, WorkerRegistration, encode
 from shared.sampling import SamplingParams
 from shared.settings import Settings
 
@@ -139,7 +139,7 @@ def test_swap_round_trip_maps_each_block_back():
             if table and set(table) <= set(back):
                 pending[seq_id] = [back[b] for b in table]
                 del to_swap[seq_id]
-        for sched_seq in plan.scheduled:
+        for sched_seq in plan.sequences():
             if sched_seq.seq_id in pending:
                 expected = pending.pop(sched_seq.seq_id)
                 assert sched_seq.block_table[:len(expected)] == expected
@@ -169,7 +169,7 @@ def test_long_prompt_is_chunked_by_the_token_budget():
     sched.add_request(request("x", prompt_len=50, max_tokens=3))
     outputs: dict[tuple[str, int], list[int]] = {}
     plans = drive(sched, sims, outputs)
-    steps = [[(s.num_computed_tokens, s.num_new_tokens) for s in p.scheduled] for p in plans]
+    steps = [[(s.num_computed_tokens, s.num_new_tokens) for s in p.sequences()] for p in plans]
     assert steps == [[(0, 16)], [(16, 16)], [(32, 16)], [(48, 2)], [(50, 1)], [(51, 1)]]
     assert len(outputs[("x", 0)]) == 3, "only the chunk that reaches the end samples"
 
@@ -180,7 +180,7 @@ def test_decodes_go_first_and_a_prefill_chunk_fills_the_rest_of_the_budget():
     drive(sched, sims, rounds=1)
     sched.add_request(request("x", prompt_len=50, max_tokens=3))
     plan = sched.schedule("w0")
-    assert [(s.num_computed_tokens, s.num_new_tokens) for s in plan.scheduled] == [(4, 1), (0, 15)]
+    assert [(s.num_computed_tokens, s.num_new_tokens) for s in plan.sequences()] == [(4, 1), (0, 15)]
     assert [n.rid for n in plan.new_sequences] == ["x"]
 
 
@@ -191,9 +191,9 @@ def test_four_samples_share_the_prompt_blocks():
     shared.add_request(request("n4", prompt=prompt, max_tokens=2, n=4))
     outputs: dict[tuple[str, int], list[int]] = {}
     plans = drive(shared, shared_sims, outputs, rounds=2)
-    assert [(s.num_computed_tokens, s.num_new_tokens) for s in plans[0].scheduled] == [(0, 35)]
+    assert [(s.num_computed_tokens, s.num_new_tokens) for s in plans[0].sequences()] == [(0, 35)]
     fork = plans[1]
-    assert len(fork.new_sequences) == 3 and all(s.num_computed_tokens == 35 for s in fork.scheduled)
+    assert len(fork.new_sequences) == 3 and all(s.num_computed_tokens == 35 for s in fork.sequences())
     assert len(fork.copies) == 3 and len({src for src, _ in fork.copies}) == 1, "copy-on-write of the last block"
     used_shared = used_blocks(shared)
 
@@ -353,14 +353,14 @@ def test_a_lookahead_plans_the_next_token_while_the_step_runs():
     first = sched.schedule("w0")
     ahead = sched.schedule("w0")
     assert sched.schedule("w0") is None, "two plans in flight at most"
-    assert [(s.num_computed_tokens, s.num_new_tokens, s.new_block_ids) for s in ahead.scheduled] == [(8, 1, [2])]
+    assert [(s.num_computed_tokens, s.num_new_tokens, s.new_block_ids) for s in ahead.sequences()] == [(8, 1, [2])]
     results = [sims["w0"].execute(first).result, sims["w0"].execute(ahead).result]
     sched.apply_result(results[1])
     assert sched.requests["r"].outputs == [[]], "results are taken in plan order"
     for result in results:
         sched.apply_result(result)
     third = sched.schedule("w0")
-    assert [(s.num_computed_tokens, s.num_new_tokens) for s in third.scheduled] == [(9, 1)]
+    assert [(s.num_computed_tokens, s.num_new_tokens) for s in third.sequences()] == [(9, 1)]
     assert sched.schedule("w0") is None, "its token in flight is the last (max_tokens=3): no lookahead"
     results.append(sims["w0"].execute(third).result)
     sched.apply_result(results[-1])
@@ -379,7 +379,7 @@ def test_with_a_clock_the_lookahead_waits_until_shortly_before_the_step_in_fligh
     sched.add_request(request("late", max_tokens=5))
     assert sched.plans("w0", now=0.17) == []
     (ahead,) = sched.plans("w0", now=0.176)
-    assert [s.num_new_tokens for s in ahead.scheduled] == [1, 8], "r's token and the arrival's prompt"
+    assert [s.num_new_tokens for s in ahead.sequences()] == [1, 8], "r's token and the arrival's prompt"
     assert sched.lookahead_due(0.176) is None, "two plans in flight"
     waited = dataclasses.replace(sims["w0"].execute(plans[1]).result, waited=0.01)  # the worker waited for it
     sched.apply_result(waited, now=0.3)
@@ -453,14 +453,15 @@ def test_a_lookahead_never_preempts_it_drains_the_pipeline_for_a_full_step():
     sched.add_request(request("a", max_tokens=20))
     sched.add_request(request("b", max_tokens=20))
     first = sched.schedule("w0")
-    assert len(first.scheduled) == 2 and used_blocks(sched) == 2
+    assert len(first.sequences()) == 2 and used_blocks(sched) == 2
     ahead = sched.schedule("w0")
-    assert [s.seq_id for s in ahead.scheduled] == [first.scheduled[0].seq_id], "a gets the last block; b would preempt"
+    assert [s.seq_id for s in ahead.sequences()] == [first.sequences()[0].seq_id], \
+        "a gets the last block; b would preempt"
     assert sched.num_preemptions == 0
     for plan in (first, ahead):
         sched.apply_result(sims["w0"].execute(plan).result)
     full = sched.schedule("w0")
-    assert sched.num_preemptions == 1 and [s.seq_id for s in full.scheduled] == [first.scheduled[0].seq_id]
+    assert sched.num_preemptions == 1 and [s.seq_id for s in full.sequences()] == [first.sequences()[0].seq_id]
 
 
 def test_a_missing_token_fails_the_request():
@@ -622,7 +623,7 @@ def test_beams_fork_on_shared_blocks_and_a_beam_that_dies_frees_its_own():
     assert len(plans[0].new_sequences) == 1, "one beam until the first step's candidates are ranked"
     forks = [new for new in plans[1].new_sequences if new.fork_of is not None]
     assert len(forks) == 2 and all(not f.prompt_token_ids for f in forks), "forks take their parent's prompt"
-    assert plans[1].copies and len(plans[1].scheduled) == 3, "each beam copies the shared last block it writes"
+    assert plans[1].copies and len(plans[1].sequences()) == 3, "each beam copies the shared last block it writes"
     rs = sched.requests["b"]
     tables = [ws.kv.block_ids(s.seq_id) for s in rs.seqs]
     assert tables[0][0] == tables[1][0] == tables[2][0], "the prompt's full block is shared by every beam"
@@ -658,8 +659,9 @@ def test_a_preempted_beam_search_resumes_whole_and_ends_the_same(mode):
 def test_the_decode_fast_lane_plans_exactly_what_the_general_path_plans(monkeypatch, mode, async_scheduling):
     """WorkerScheduler._decode_alone plans most steps' tokens without the general path's objects: on a crowded cache
     (preemption, copy-on-write of n > 1, shared prefixes, EOS), every plan and every token is what the general
-    path alone makes."""
-    def run() -> tuple[list[bytes], dict]:
+    path alone makes (its tokens travel as the plan's `decodes` columns: a plan is compared as the sequences it
+    computes, by id)."""
+    def run() -> tuple[list[bytes], dict, int]:
         sched, sims = make(num_blocks=14, num_swap=32, preemption_mode=mode, async_scheduling=async_scheduling)
         sims["w0"].pick = lambda rid, sample, index: EOS if (index + len(rid)) % 23 == 0 else pick(rid, sample, index)
         for i, rid in enumerate(["a", "bb", "ccc", "dddd", "ee", "f"]):
@@ -667,9 +669,11 @@ def test_the_decode_fast_lane_plans_exactly_what_the_general_path_plans(monkeypa
                                       prompt=[7] * 16 + [60 + i] * 3 if rid in ("a", "f") else None))
         outputs: dict = {}
         plans = drive(sched, sims, outputs)
-        return [encode(plan) for plan in plans], outputs
-    fast = run()
+        computed = [encode(dataclasses.replace(plan, scheduled=sorted(plan.sequences(), key=lambda s: s.seq_id),
+                                               decodes=Decodes())) for plan in plans]
+        return computed, outputs, sum(len(plan.decodes.seq_ids) for plan in plans)
+    *fast, fast_lane = run()
     calls = []
-    monkeypatch.setattr(WorkerScheduler, "_decode_alone", lambda self, rs, step: calls.append(rs.rid) and False)
-    general = run()
-    assert calls and fast == general
+    monkeypatch.setattr(WorkerScheduler, "_decode_alone", lambda self, running, i, step: calls.append(i) or i)
+    *general, general_lane = run()
+    assert calls and fast_lane > 0 and general_lane == 0 and fast == general

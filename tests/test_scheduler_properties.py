@@ -109,7 +109,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if plan is None:
             return
         ws = self.sched.workers[wid]
-        for sched in plan.scheduled:
+        for sched in plan.sequences():
             table = ws.kv.seqs[sched.seq_id].table
             written = sched.num_computed_tokens + sched.num_new_tokens + sched.num_draft_tokens
             first, end = sched.num_computed_tokens // BS, -(-written // BS)
@@ -122,7 +122,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         event(f"plan: copies={bool(plan.copies)} swap_out={bool(plan.swap_out)} swap_in={bool(plan.swap_in)}")
         event(f"plan: lookahead={in_flight > 0}")
         event(f"plan: lookahead preempts={in_flight > 0 and self.sched.num_preemptions > preemptions}")
-        event(f"plan: drafts={any(s.num_draft_tokens for s in plan.scheduled)}")
+        event(f"plan: drafts={any(s.num_draft_tokens for s in plan.sequences())}")
         self.draw_token = lambda: data.draw(st.sampled_from([EOS] + VOCAB), label="token")
         self.draw_count = lambda n: data.draw(st.integers(0, n), label="draft count")
         self.pending.setdefault(wid, []).append(self.sims[wid].execute(plan))

@@ -171,8 +171,8 @@ def test_the_history_adds_up_to_the_plans_sent_and_the_tokens_that_came_back():
     run.monitor.tick(run.cluster, now, False)
     h = decoded(run.monitor.snapshot(run.cluster, now))["w0"].history
     assert sum(h.steps) == len(run.plans)
-    assert sum(h.seqs) == sum(len(p.scheduled) for p in run.plans)
-    assert sum(h.tokens) == sum(s.num_new_tokens for p in run.plans for s in p.scheduled)
+    assert sum(h.seqs) == sum(len(p.sequences()) for p in run.plans)
+    assert sum(h.tokens) == sum(s.num_new_tokens for p in run.plans for s in p.sequences())
     assert sum(h.sampled) == sum(len(r.token_ids) for r in run.results)  # synchronous: every chunk that ends samples
     stats = run.cluster.workers["w0"].stats()
     assert (sum(h.prefix_queries), sum(h.prefix_hits)) == (stats.prefix_queries, stats.prefix_hits)

@@ -403,7 +403,7 @@ def cached_tokens(sched, sims, req: Request) -> int:
     sched.add_request(req)
     outputs: dict = {}
     plans = drive(sched, sims, outputs)
-    first = next(s for p in plans for s in p.scheduled if any(n.rid == req.rid for n in p.new_sequences))
+    first = next(s for p in plans for s in p.sequences() if any(n.rid == req.rid for n in p.new_sequences))
     return first.num_computed_tokens
 
 

@@ -9,7 +9,7 @@ from plan_builder import PlanBuilder, run_until, step
 from worker_oracle import Transformers, prompts, single_thread, write_tiny  # noqa: F401 (fixture)
 
 from gpu_worker.worker import Worker
-from shared.protocol import NewSequence, ScheduledSequence, StepPlan
+from shared.protocol import Decodes, NewSequence, ScheduledSequence, StepPlan
 from shared.sampling import SamplingParams
 from shared.settings import Settings
 
@@ -43,7 +43,7 @@ def test_prefix_cache_hit(model):
     b = builder.add(second, prefix_of=a, cached_blocks=2)
     builder.schedule(b)
     plan = builder.plan()
-    assert (plan.scheduled[0].num_computed_tokens, plan.scheduled[0].num_new_tokens) == (32, 9)
+    assert (plan.sequences()[0].num_computed_tokens, plan.sequences()[0].num_new_tokens) == (32, 9)
     builder.apply(worker.execute(plan))
     run_until(worker, builder, [a, b], NEW)
     assert b.outputs == hf.greedy(second, NEW)
@@ -82,7 +82,7 @@ def test_mixed_prefill_and_decode_steps(model):
         builder.schedule(a)
         builder.schedule(b, min(16, len(long) - b.num_computed))
         plan = builder.plan()
-        assert [s.num_new_tokens for s in plan.scheduled][0] == 1
+        assert [s.num_new_tokens for s in plan.sequences()][0] == 1
         builder.apply(worker.execute(plan))
     c = builder.add(late)
     run_until(worker, builder, [a, b, c], NEW)
@@ -202,7 +202,7 @@ def test_plans_unusable_as_a_whole_are_refused_whole(model):
         assert outcome.result.error is not None and needle in outcome.result.error, (needle, outcome.result.error)
         assert outcome.outputs == [] and set(worker.seqs) == {a.seq_id}
         assert (worker.seqs[a.seq_id].token_ids, worker.seqs[a.seq_id].block_table) == (tokens, table)
-        named = {m.seq_id for m in plan.new_sequences} | {item.seq_id for item in plan.scheduled}
+        named = {m.seq_id for m in plan.new_sequences} | {item.seq_id for item in plan.sequences()}
         assert (a.seq_id in worker.stopped) == (a.seq_id in named)
     b = builder.add(prompt)
     run_until(worker, builder, [b], NEW)
@@ -225,13 +225,17 @@ def test_a_sequence_the_worker_cannot_run_fails_its_request_alone(model):
                                                                            [NUM_BLOCKS])),
         "cannot compute": lambda b, plan: plan.scheduled.append(ScheduledSequence(b.seq_id, len(b.tokens) - 1, 2)),
         "scheduled twice": lambda b, plan: plan.scheduled.append(ScheduledSequence(b.seq_id, len(b.tokens) - 1, 1)),
+        # the same, in a plan's decodes (the scheduler's fast lane)
+        "got block ids outside": lambda b, plan: setattr(plan, "decodes", Decodes([b.seq_id], [len(b.tokens) - 1], [0],
+                                                                                  [NUM_BLOCKS])),
+        "is scheduled twice": lambda b, plan: setattr(plan, "decodes", Decodes([b.seq_id], [len(b.tokens) - 1])),
     }
     for needle, spoil in bad_items.items():
         worker, builder = make_worker(model_dir)
         a, b = builder.add(first), builder.add(second)
         run_until(worker, builder, [a, b], 4)
         builder.schedule(a)
-        if needle == "scheduled twice":
+        if needle.endswith("scheduled twice"):
             builder.schedule(b)
         plan = builder.plan()
         spoil(b, plan)
