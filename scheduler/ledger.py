@@ -159,7 +159,8 @@ class Ledger:
         account.counter += (PREFILL_COST * prefill + DECODE_COST * decode) / tenant.weight
 
     def charge_decodes(self, tenants: list[Tenant]) -> None:
-        """A decode token each for these tenants, in turn, as `charge` would one at a time (a plan's fast lane)."""
+        """A decode token each for these tenants, in turn: `charge(tenant, 0, 1)` for each, written out (a plan's fast
+        lane charges every sequence of every step)."""
         accounts = self.accounts
         for tenant in tenants:
             account = accounts[tenant.name]

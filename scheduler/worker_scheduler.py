@@ -175,7 +175,8 @@ class WorkerScheduler:
 
     @property
     def num_running_seqs(self) -> int:
-        return sum(map(len, map(SEQS, self.running)))  # (each step counts them: in C)
+        # (Admission counts them every step while requests wait: a walk in C rather than a generator's.)
+        return sum(map(len, map(SEQS, self.running)))
 
     def stats(self) -> WorkerStats:
         kv, pool = self.kv, self.kv.pool
@@ -296,7 +297,7 @@ class WorkerScheduler:
             if len(seqs) != 1 or group.fork_at is not None or not group.samples_tokens:
                 break
             seq = seqs[0]
-            if not seq.sent or seq.resend_table:  # (a sampling group's sequences are never given tokens)
+            if not seq.sent or seq.resend_table:  # (no `appended` to look at: only beams are given tokens)
                 break
             start = seq.num_computed
             known = rs.prompt_len + len(rs.outputs[seq.sample_index])
@@ -570,11 +571,12 @@ class WorkerScheduler:
                 if rs.status in LIVE:
                     self.finish(rs, "error", f"worker {self.worker_id} failed the step: {result.error}", FAILED)
             return
-        emitting, reporting = self._commit(chunks)
-        for refused in result.refused:  # the worker could not run this request's sequences
+        for refused in result.refused:  # the worker could not run this request's sequences: before any block of
+            # theirs is indexed, as the worker computed none
             rs = next((rs for rs in flight.requests() if rs.rid == refused.rid), None)
             if rs is not None and rs.status in LIVE:
                 self.finish(rs, "error", refused.error, FAILED)
+        emitting, reporting = self._sort_and_commit(chunks)
         received, missing = self._take_tokens(chunks, emitting, result)
         if self.drafting.max_draft:
             self._drafts_checked(chunks, result, received)
@@ -589,17 +591,16 @@ class WorkerScheduler:
                 self.finish(c.rs, "error", f"worker {self.worker_id} returned no token for sample "
                                            f"{c.seq.sample_index} in step {result.step_id}", FAILED)
 
-    def _commit(self, chunks: list[Scheduled | DecodeRun]) -> tuple[dict[int, Scheduled], dict[int, Scheduled]]:
-        """Index the blocks the step's chunks filled (a decode run's, where its plan noted one: `commits`); the general
-        path's chunks that reached their sequence's end, by sequence id: those that sample a token, and those that
-        report a beam's candidates. (It runs every step: written out, on locals.)"""
+    def _sort_and_commit(self, chunks: list[Scheduled | DecodeRun]) -> tuple[dict[int, Scheduled],
+                                                                              dict[int, Scheduled]]:
+        """Index the blocks the step's chunks filled (a decode run's, where its plan noted one: `commits`); and sort
+        out the general path's chunks that reached their sequence's end, by sequence id: those that sample a token, and
+        those that report a beam's candidates. (It runs every step: written out, on locals.)"""
         emitting: dict[int, Scheduled] = {}
         reporting: dict[int, Scheduled] = {}
         commit, block_size, drafting = self.kv.commit, self.kv.block_size, self.drafting.max_draft
         running = Status.RUNNING
         for c in chunks:
-            # The prefix index has every full block before a chunk's start, as the results before it committed them,
-            # except a fork's (its parent's tokens may have been in flight) or after a draft's rejected tokens.
             if type(c) is DecodeRun:
                 for k in c.commits:
                     rs, seq = c.requests[k], c.seqs[k]
@@ -612,6 +613,8 @@ class WorkerScheduler:
                     emitting[seq.seq_id] = c  # preempted while in flight: its token alone counts
                 continue  # else aborted, or its sample ended, while in flight
             end = c.start + c.num_new
+            # The prefix index has every full block before a chunk's start, as the results before it committed them,
+            # except a fork's (its parent's tokens may have been in flight) or after a draft's rejected tokens.
             if end // block_size != c.start // block_size or seq.fork_of is not None or drafting:
                 commit(seq.seq_id, rs.prompt, rs.outputs[seq.sample_index], end, rs.root)
             if c.emits_token:
@@ -624,17 +627,16 @@ class WorkerScheduler:
                      result: StepResult) -> tuple[dict[int, int], list[Scheduled]]:
         """Give each chunk that sampled its tokens, in the order the scheduler planned them (its worker samples a
         plan's `decodes` first): a token counts if its sequence runs on, or if its request was preempted while it was
-        in flight. How many each
-        sequence took, and the chunks whose token did not come. (It runs for every sequence in every step: written
-        out, on locals.)"""
+        in flight. Returns how many each sequence took, and the chunks whose token did not come. (It runs for every
+        sequence in every step: written out, on locals.)"""
         drafting = self.drafting.max_draft
         sampled: dict[int, list[int]] | dict[int, int]
         if drafting:  # a sequence that checked a draft emits several
             sampled = {}
             for seq_id, token_id in zip(result.seq_ids, result.token_ids):
                 sampled.setdefault(seq_id, []).append(token_id)
-        else:
-            sampled = dict(zip(result.seq_ids, result.token_ids))
+        else:  # (a sequence named twice, by a faulty worker: its first token, as the drafting path takes)
+            sampled = dict(zip(reversed(result.seq_ids), reversed(result.token_ids)))
         received: dict[int, int] = {}
         missing: list[Scheduled] = []
         token_arrived = self.pacing.token_arrived
@@ -668,10 +670,12 @@ class WorkerScheduler:
                 rs.group.token(self, rs, seq, token_id)
         return received, missing
 
-    def _drafts_checked(self, chunks: list[Scheduled], result: StepResult, received: dict[int, int]) -> None:
+    def _drafts_checked(self, chunks: list[Scheduled | DecodeRun], result: StepResult,
+                        received: dict[int, int]) -> None:
         """A drafting sequence's accepted tokens have their KV computed: it counts them, commits the blocks they
         fill and gives back the blocks only its rejected tokens took (its next plan sends the worker its whole
-        table). Each sequence that ran learns the draft its worker holds for its next step."""
+        table). Each sequence that ran learns the draft its worker holds for its next step. (A plan that may draft
+        has no decode run: `schedule` takes the fast lane only where no draft may be offered.)"""
         reports = {r.seq_id: r for r in result.drafts}
         for c in chunks:
             seq, rs = c.seq, c.rs

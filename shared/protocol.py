@@ -134,9 +134,11 @@ class Decodes:
             raise ValueError(f"{len(self.seq_ids)} seq ids for {len(self.num_computed_tokens)} token counts")
         if len(self.growing) != len(self.new_block_ids):
             raise ValueError(f"{len(self.growing)} growing sequences for {len(self.new_block_ids)} new blocks")
-        if any(not 0 <= i < len(self.seq_ids) for i in self.growing) or any(
-                a >= b for a, b in zip(self.growing, self.growing[1:])):
-            raise ValueError(f"growing positions must ascend within the {len(self.seq_ids)} sequences")
+        outside = [i for i in self.growing if not 0 <= i < len(self.seq_ids)]
+        if outside:
+            raise ValueError(f"growing position {outside[0]} is outside the {len(self.seq_ids)} sequences")
+        if any(a >= b for a, b in zip(self.growing, self.growing[1:])):
+            raise ValueError("growing positions must ascend")
 
     def items(self) -> list[ScheduledSequence]:
         new_blocks = dict(zip(self.growing, self.new_block_ids))
@@ -163,7 +165,7 @@ class StepPlan:
 
     def sequences(self) -> list[ScheduledSequence]:
         """Every sequence the step computes, in the order it computes them: `decodes`, then `scheduled`."""
-        return self.decodes.items() + self.scheduled if self.decodes.seq_ids else self.scheduled
+        return self.decodes.items() + self.scheduled
 
     @property
     def num_sequences(self) -> int:

@@ -9,7 +9,10 @@ from sched_sim import SimWorker, drive
 from scheduler.cluster import Cluster
 from scheduler.request import FinishedRequest
 from scheduler.worker_scheduler import WorkerScheduler
-from shared.protocol import FAILED, REJECTED, UNAVAILABLE, Decodes, Request, StepResult, WorkerRegistration, encode
+from shared.protocol import (
+    FAILED, REJECTED, UNAVAILABLE, Decodes, RefusedRequest, Request, StepResult, TokenOutput, WorkerRegistration,
+    encode,
+)
 from shared.sampling import SamplingParams
 from shared.settings import Settings
 
@@ -470,15 +473,48 @@ def test_a_missing_token_fails_the_request():
     sched, sims = make()
     sched.add_request(request("r", max_tokens=5))
     sched.add_request(request("s", max_tokens=5))
-    plan = sched.schedule("w0")
-    outcome = sims["w0"].execute(plan)
-    kept = [i for i, out in enumerate(outcome.outputs) if out.rid == "s"]
+    kept = _step_losing_tokens_of(sched, sims, "r")
+    assert sched.requests["s"].outputs == [[kept.token_id]]
+
+
+def _step_losing_tokens_of(sched, sims, rid: str) -> TokenOutput:
+    """Plan a step, and apply its result less `rid`'s tokens: that request fails, the other's one token counts."""
+    outcome = sims["w0"].execute(sched.schedule("w0"))
+    (kept,) = [i for i, out in enumerate(outcome.outputs) if out.rid != rid]
     result = outcome.result
-    sched.apply_result(dataclasses.replace(result, seq_ids=[result.seq_ids[i] for i in kept],
-                                           token_ids=[result.token_ids[i] for i in kept]))
+    sched.apply_result(dataclasses.replace(result, seq_ids=[result.seq_ids[kept]], token_ids=[result.token_ids[kept]]))
     (done,) = sched.pop_finished()
-    assert done.rid == "r" and done.error_kind == FAILED and "returned no token for sample 0" in done.error
-    assert sched.requests["s"].outputs == [[outcome.outputs[1].token_id]]
+    assert done.rid == rid and done.error_kind == FAILED and "returned no token for sample 0" in done.error
+    return outcome.outputs[kept]
+
+
+def test_a_missing_decode_token_fails_its_request_alone():
+    """The same for the fast lane's tokens (a plan's `decodes`), taken from the result by sequence id."""
+    sched, sims = make()
+    sched.add_request(request("r", max_tokens=9))
+    sched.add_request(request("s", max_tokens=9))
+    plans = drive(sched, sims, rounds=2)
+    assert len(plans[-1].decodes.seq_ids) == 2 and not plans[-1].scheduled, "both decode in the fast lane"
+    kept = _step_losing_tokens_of(sched, sims, "r")
+    assert sched.requests["s"].outputs[0][-1] == kept.token_id
+    drive(sched, sims)
+    assert [d.rid for d in sched.pop_finished()] == ["s"]
+
+
+def test_a_request_the_worker_refused_leaves_no_prefix_hit():
+    """The worker computed nothing for a request it refused: none of its blocks may serve the next prompt."""
+    sched, sims = make()
+    prompt = [60 + i for i in range(3 * BS + 1)]
+    sched.add_request(request("r", prompt=prompt, max_tokens=4))
+    result = sims["w0"].execute(sched.schedule("w0")).result
+    sched.apply_result(dataclasses.replace(result, seq_ids=[], token_ids=[],
+                                           refused=[RefusedRequest("r", "bad step plan: forged")]))
+    (done,) = sched.pop_finished()
+    assert done.rid == "r" and done.error_kind == FAILED
+    sched.add_request(request("t", prompt=prompt, max_tokens=4))
+    drive(sched, sims)
+    stats = sched.workers["w0"].stats()
+    assert stats.prefix_queries >= len(prompt) and stats.prefix_hits == 0
 
 
 def test_abort_frees_blocks_and_tells_the_worker():
