@@ -72,7 +72,8 @@ class CacheMonitor:
         steps.steps += 1
         steps.seqs += plan.num_sequences
         steps.tokens += sum(map(_NUM_NEW, plan.scheduled)) + len(plan.decodes.seq_ids)
-        steps.sampled += ws.in_flight[-1].num_sampling()
+        # (The service sends a plan and the lookahead behind it together: each counts its own flight's samples.)
+        steps.sampled += next(f for f in ws.in_flight if f.step_id == plan.step_id).num_sampling()
         if plan.copies or plan.swap_in or plan.swap_out:
             first = ws.in_flight[0].step_id
             while w.moves and w.moves[0][0] < first:

@@ -71,6 +71,23 @@ class Run:
                 self.finish(plan)
 
 
+def test_a_plan_and_its_lookahead_sent_together_count_their_own_samples():
+    """The service takes a worker's next plan and the lookahead behind it in one go (Cluster.plans), then tells the
+    monitor of each: a prompt's first chunk samples nothing, its last chunk, planned ahead, samples one token."""
+    cluster = Cluster(Settings(block_size=BS, max_num_batched_tokens=BS, async_scheduling=True))
+    cluster.add_worker(registration())
+    monitor = CacheMonitor()
+    monitor.tick(cluster, 0.0, False)
+    cluster.add_request(Request("r", "m", PREFIX[:BS + 8], SamplingParams(max_tokens=4), 0.0))
+    plans = cluster.plans("w0")
+    for plan in plans:
+        monitor.planned(cluster, plan)
+    monitor.tick(cluster, HISTORY_INTERVAL_S, False)
+    h = decoded(monitor.snapshot(cluster, HISTORY_INTERVAL_S))["w0"].history
+    assert [s.num_new_tokens for p in plans for s in p.sequences()] == [BS, 8]
+    assert (sum(h.steps), sum(h.tokens), sum(h.sampled)) == (2, BS + 8, 1)
+
+
 def decoded(snapshot: CacheSnapshot) -> dict[str, WorkerSnapshot]:
     """The snapshot as the gateway gets it: through the bus codec."""
     return {w.worker_id: w for w in decode(encode(snapshot), CacheSnapshot).workers}
