@@ -82,7 +82,7 @@ class DecodeRun:
     requests: list[RequestState] = field(default_factory=list)
     seqs: list[SeqState] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)  # the token's position: its sequence's num_computed before it
-    # Where its result indexes blocks (in the prefix cache): a token that fills one, or a fork's (see _commit)
+    # Where its result indexes blocks (in the prefix cache): a token that fills one, or a fork's (see _sort_and_commit)
     commits: list[int] = field(default_factory=list)
 
 
@@ -287,12 +287,11 @@ class WorkerScheduler:
         target, scheduled, grow_by_one = self.pacing.target, self.pacing.scheduled, self.kv.grow_by_one
         block_size = self.kv.block_size
         budget, seqs_left = step.budget, step.seqs_left
-        for i in range(i, len(running)):
-            if not (budget and seqs_left):
-                break
+        while i < len(running) and budget and seqs_left:
             rs = running[i]
-            if rs.status is not Status.RUNNING:
-                continue  # a request before it preempted it in this step
+            if rs.status is not Status.RUNNING:  # a request before it preempted it in this step
+                i += 1
+                continue
             seqs, group = rs.seqs, rs.group
             if len(seqs) != 1 or group.fork_at is not None or not group.samples_tokens:
                 break
@@ -300,8 +299,7 @@ class WorkerScheduler:
             if not seq.sent or seq.resend_table:  # (no `appended` to look at: only beams are given tokens)
                 break
             start = seq.num_computed
-            known = rs.prompt_len + len(rs.outputs[seq.sample_index])
-            if start < rs.prompt_len or target(rs, seq, known) != start + 1:
+            if start < rs.prompt_len or target(rs, seq, rs.num_tokens(seq)) != start + 1:
                 break  # a prompt's chunk, or nothing to compute before its token in flight comes back
             # Mid-block, the block it writes is its own: only full blocks are shared (prefix hits), but for a fork's
             # last one, and a lone sequence has no fork beside it.
@@ -323,8 +321,7 @@ class WorkerScheduler:
             add_start(start)
             budget -= 1
             seqs_left -= 1
-        else:
-            i = len(running)
+            i += 1
         if run.seqs:
             step.chunks.append(run)
             step.budget, step.seqs_left = budget, seqs_left
