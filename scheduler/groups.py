@@ -17,7 +17,6 @@ from scheduler.beam_search import BeamSearch, Hypothesis
 from shared.sampling import finish_reason
 
 if TYPE_CHECKING:  # a group acts on its request's scheduler: types only, never an import cycle at run time
-    from scheduler.pacing import Lookahead, Synchronous
     from scheduler.request import RequestState, SeqState
     from scheduler.worker_scheduler import WorkerScheduler
 
@@ -62,14 +61,15 @@ class ForkingGroup:
         self.fork_at = None
         ws.reservation.forked(ws, rs)
 
-    def chunks(self, rs: RequestState, budget: int, seqs_left: int, pacing: Synchronous | Lookahead) -> list[Chunk]:
-        """Each sequence's tokens for this step (to the fork point, or to its end), within the budget and the cap."""
+    def chunks(self, rs: RequestState, budget: int, seqs_left: int) -> list[Chunk]:
+        """Each sequence's tokens for this step (to the fork point, or to its target), within the budget and the cap.
+        (The shared tokens before a fork point sample nothing: the first sequence has no token in flight.)"""
         fork_at, chunks = self.fork_at, []
         emits = fork_at is None and self.samples_tokens
         for seq in rs.seqs:
             if budget == 0 or seqs_left == 0:
                 break
-            left = pacing.target(rs, seq, rs.num_tokens(seq) if fork_at is None else fork_at) - seq.num_computed
+            left = (rs.target(seq) if fork_at is None else fork_at) - seq.num_computed
             num_new = min(left, budget)
             if num_new > 0:
                 chunks.append(Chunk(seq, num_new, num_new == left and emits))

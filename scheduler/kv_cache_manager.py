@@ -34,6 +34,16 @@ def hash_block_tokens(parent: bytes, token_ids: list[int], extra: bytes) -> byte
     return h.digest()
 
 
+def _span(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:
+    """Tokens start..end of prompt + output, without building the whole (a commit takes a block of a long output)."""
+    n = len(prompt)
+    if end <= n:
+        return prompt[start:end]
+    if start >= n:
+        return output[start - n:end - n]
+    return prompt[start:] + output[:end - n]
+
+
 def chain_root(salt: str) -> bytes:
     """The parent of a chain's first block: no salt gives the chain every unsalted request shares."""
     return hashlib.sha256(b"salt\0" + salt.encode("utf-8")).digest() if salt else NO_PARENT
@@ -159,11 +169,10 @@ class KVCacheManager:
         if full <= seq.num_cached:
             return
         bs = self.block_size
-        tokens = prompt + output if len(seq.hashes) < full else prompt
         for i in range(seq.num_cached, full):
             if i == len(seq.hashes):
                 parent = seq.hashes[-1] if seq.hashes else root
-                seq.hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs], self.extra))
+                seq.hashes.append(hash_block_tokens(parent, _span(prompt, output, i * bs, (i + 1) * bs), self.extra))
             self.pool.cache(seq.table[i], seq.hashes[i])
         seq.num_cached = full
 

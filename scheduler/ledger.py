@@ -152,20 +152,12 @@ class Ledger:
         """A unit of weight's share of the seats: split among the tenants with requests here."""
         return self.seats / max(sum(a.tenant.weight for a in self.accounts.values() if a.live), 1e-9)
 
-    def charge(self, tenant: Tenant, prefill: int, decode: int) -> None:
-        """Tokens a plan computes for the tenant."""
-        account = self.accounts[tenant.name]
+    def charge(self, tenant: str, prefill: int, decode: int) -> None:
+        """Tokens a plan computes for the tenant, at its weight as its latest request carried it (as its shares are
+        weighed: seat_use)."""
+        account = self.accounts[tenant]
         account.computed += prefill + decode
-        account.counter += (PREFILL_COST * prefill + DECODE_COST * decode) / tenant.weight
-
-    def charge_decodes(self, tenants: list[Tenant]) -> None:
-        """A decode token each for these tenants, in turn: `charge(tenant, 0, 1)` for each, written out (a plan's fast
-        lane charges every sequence of every step)."""
-        accounts = self.accounts
-        for tenant in tenants:
-            account = accounts[tenant.name]
-            account.computed += 1
-            account.counter += DECODE_COST / tenant.weight
+        account.counter += (PREFILL_COST * prefill + DECODE_COST * decode) / account.tenant.weight
 
     def counter(self, tenant: str) -> float:
         return self.accounts[tenant].counter

@@ -3,7 +3,9 @@ while the worker computes it (`Lookahead`, async scheduling).
 
 A lookahead plans as if each sequence sampled in the step in flight had its coming token already: one placeholder
 each, whose id the worker fills in itself (it runs plans in order, and results come back in order, so blocks freed
-meanwhile are reused only by later plans). A lookahead preempts no running request to grow another: short of blocks,
+meanwhile are reused only by later plans). A sequence counts the tokens its plans in flight sample whatever the
+pacing (`SeqState.num_placeholders`: with one plan in flight, there are none when the next is made), and each plan
+takes it to its `RequestState.target`. A lookahead preempts no running request to grow another: short of blocks,
 it ends there, and the worker's pipeline drains before the full step that makes room. Admission's preemption for a
 request that outranks a running one (scheduler/policy.py) it makes by recompute, the victim's token in flight
 counting when it comes back (scheduler/worker_scheduler.py); where that cannot be (swap), the pipeline drains too.
@@ -18,8 +20,6 @@ timed, it is planned at once.
 from __future__ import annotations
 
 from collections import deque
-
-from scheduler.request import RequestState, SeqState
 
 # The lookahead goes out this share of a step before the step is due to end: room for planning it, the bus and a
 # busy loop. A worker kept waiting for one adds its wait to that lead for the next WAITS_KEPT steps.
@@ -49,20 +49,10 @@ class Synchronous:
         """The oldest step's result came in; it was a lookahead the worker had waited `late` seconds for
         (`next_in_flight`: the worker computes the plan after it now)."""
 
-    def target(self, rs: RequestState, seq: SeqState, known: int) -> int:
-        """The tokens the sequence's KV should cover, given the `known` ones it has to."""
-        return known
-
     def may_make_room(self, num_in_flight: int) -> bool:
         """The step needs a preemption (a running request's chunks do not fit, or admission's victim cannot leave while
         a step computes its tokens): may it preempt (True), or must it end here?"""
         return True
-
-    def scheduled(self, seq: SeqState, emits_token: bool) -> None:
-        """A chunk of `seq` went into a plan."""
-
-    def token_arrived(self, seq: SeqState) -> None:
-        """A token `seq` emitted came back."""
 
 
 class Lookahead:
@@ -99,25 +89,11 @@ class Lookahead:
         if next_in_flight:
             self.times.began(now)
 
-    def target(self, rs: RequestState, seq: SeqState, known: int) -> int:
-        placeholders = seq.num_placeholders
-        # Nothing after tokens in flight that are sure to end the sequence: max_tokens or max_model_len, as its
-        # worker's scheduler set `ends_at` (an EOS cannot be foreseen: the worker skips a sequence it saw end).
-        if placeholders and len(rs.outputs[seq.sample_index]) + placeholders >= rs.ends_at:
-            return seq.num_computed
-        return known + placeholders
-
     def may_make_room(self, num_in_flight: int) -> bool:
         if not num_in_flight:
             return True
         self.draining = True
         return False
-
-    def scheduled(self, seq: SeqState, emits_token: bool) -> None:
-        seq.num_placeholders += emits_token
-
-    def token_arrived(self, seq: SeqState) -> None:
-        seq.num_placeholders -= 1
 
 
 class StepTimes:

@@ -61,7 +61,7 @@ class Fair:
     def order(self, ws: WorkerScheduler) -> Iterator[RequestState]:
         by_tenant: dict[str, deque[RequestState]] = {}
         for rs in (*ws.preempted, *ws.waiting):
-            by_tenant.setdefault(rs.req.tenant.name, deque()).append(rs)
+            by_tenant.setdefault(rs.tenant, deque()).append(rs)
         counter, use = self.ledger.counter, self.ledger.seat_use
         while by_tenant:
             # A tenant back from idle starts level with the busy ones: the one using less of its share goes first.
@@ -74,10 +74,10 @@ class Fair:
     def victim(self, ws: WorkerScheduler, head: RequestState) -> RequestState | None:
         ledger = self.ledger
         share = ledger.seat_share()
-        if ledger.seat_use(head.req.tenant.name, len(head.live_samples)) > share:
+        if ledger.seat_use(head.tenant, len(head.live_samples)) > share:
             return None  # seated, its tenant would be over its share too
-        over = [rs for rs in ws.running if ledger.seat_use(rs.req.tenant.name) > share]
-        return max(over, key=lambda rs: (ledger.seat_use(rs.req.tenant.name), rs.rank), default=None)
+        over = [rs for rs in ws.running if ledger.seat_use(rs.tenant) > share]
+        return max(over, key=lambda rs: (ledger.seat_use(rs.tenant), rs.rank), default=None)
 
 
 def policy_for(name: str, ledger: Ledger) -> Fcfs | Priority | Fair:

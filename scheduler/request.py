@@ -6,6 +6,7 @@ worker loss. A sequence is one sample's place on a worker: its id there and how 
 from __future__ import annotations
 
 import enum
+import sys
 from dataclasses import dataclass, field
 
 from scheduler.beam_search import Hypothesis
@@ -53,7 +54,7 @@ class SeqState:
     seq_id: int
     sample_index: int  # which of its request's samples (or live beams) it computes
     num_computed: int = 0  # tokens whose KV is in the cache, or will be once the plans sent are done
-    num_placeholders: int = 0  # lookahead only: tokens sampled by plans in flight, not known yet
+    num_placeholders: int = 0  # tokens sampled by plans in flight, not known yet (scheduler/pacing.py)
     sent: bool = False  # the worker has its NewSequence
     fork_of: SeqState | None = None  # forked from this one: while it lives on the worker, the prompt comes from there
     resend_table: bool = False  # the worker's block table must be replaced (after swap-in)
@@ -83,6 +84,9 @@ class RequestState:
     gateway_id: str = field(init=False)  # the gateway streaming it to its client: its submitter's, or a taker's since
     root: bytes = field(init=False)  # where its chain of block hashes starts: its tenant's and its cache salt's
     prompt_len: int = field(init=False)  # (read for every sequence in every step)
+    # Its tenant's name, one string object for every request of the tenant (the ledger is charged for every sequence
+    # in every step, the tenants' counts in one pass)
+    tenant: str = field(init=False)
     queued: bool = True  # never admitted yet: it counts against its tenant's queue limits (scheduler/ledger.py)
     queued_since: float | None = None  # first tick that saw it queued
     seats: int = 0  # sequences its tenant counts as running for it (since it was admitted or swapped in last)
@@ -94,6 +98,7 @@ class RequestState:
     def __post_init__(self) -> None:
         self.gateway_id = self.req.gateway_id
         self.prompt_len = len(self.req.prompt_token_ids)
+        self.tenant = sys.intern(self.req.tenant.name)
         salt = (self.req.tenant.cache_salt, self.req.cache_salt)
         self.root = chain_root("\0".join(salt) if any(salt) else "")
 
@@ -118,6 +123,15 @@ class RequestState:
 
     def num_tokens(self, seq: SeqState) -> int:
         return self.prompt_len + len(self.outputs[seq.sample_index])
+
+    def target(self, seq: SeqState) -> int:
+        """The tokens the sequence's KV should cover: those known and those its plans in flight sample, but nothing
+        after a token in flight sure to end it (max_tokens or max_model_len: `ends_at`; an EOS cannot be foreseen,
+        and the worker skips a sequence it saw end)."""
+        output, placeholders = len(self.outputs[seq.sample_index]), seq.num_placeholders
+        if placeholders and output + placeholders >= self.ends_at:
+            return seq.num_computed
+        return self.prompt_len + output + placeholders
 
     def fork_point(self) -> int | None:
         """Where the live samples part: their common prefix, short of each one's last token (it gives that

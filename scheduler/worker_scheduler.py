@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Callable, Iterator
@@ -50,6 +50,7 @@ from shared.settings import Settings
 
 ORDER = attrgetter("rank")
 SEQS = attrgetter("seqs")
+TENANT = attrgetter("tenant")
 # What a step's result still acts on: its running requests, and those a lookahead preempted while the step computed
 # their tokens (a recompute-preempted request has a chunk in flight only then: every other plan is made with none).
 LIVE = (Status.RUNNING, Status.PREEMPTED)
@@ -284,7 +285,7 @@ class WorkerScheduler:
         run, decodes = DecodeRun(), step.plan.decodes
         add_request, add_seq, add_start = run.requests.append, run.seqs.append, run.starts.append
         add_id, add_computed = decodes.seq_ids.append, decodes.num_computed_tokens.append
-        target, scheduled, grow_by_one = self.pacing.target, self.pacing.scheduled, self.kv.grow_by_one
+        grow_by_one = self.kv.grow_by_one
         block_size = self.kv.block_size
         budget, seqs_left = step.budget, step.seqs_left
         while i < len(running) and budget and seqs_left:
@@ -299,7 +300,7 @@ class WorkerScheduler:
             if not seq.sent or seq.resend_table:  # (no `appended` to look at: only beams are given tokens)
                 break
             start = seq.num_computed
-            if start < rs.prompt_len or target(rs, seq, rs.num_tokens(seq)) != start + 1:
+            if start < rs.prompt_len or rs.target(seq) != start + 1:
                 break  # a prompt's chunk, or nothing to compute before its token in flight comes back
             # Mid-block, the block it writes is its own: only full blocks are shared (prefix hits), but for a fork's
             # last one, and a lone sequence has no fork beside it.
@@ -315,7 +316,7 @@ class WorkerScheduler:
             add_id(seq.seq_id)
             add_computed(start)
             seq.num_computed = start + 1
-            scheduled(seq, True)
+            seq.num_placeholders += 1
             add_request(rs)
             add_seq(seq)
             add_start(start)
@@ -325,13 +326,14 @@ class WorkerScheduler:
         if run.seqs:
             step.chunks.append(run)
             step.budget, step.seqs_left = budget, seqs_left
-            self.ledger.charge_decodes([rs.req.tenant for rs in run.requests])
+            for tenant, num_decodes in Counter(map(TENANT, run.requests)).items():  # (a few tenants: a charge each)
+                self.ledger.charge(tenant, 0, num_decodes)
         return i
 
     def _chunks(self, rs: RequestState, step: StepBuilder) -> list[Chunk]:
         """The request's next chunks, as its group takes them, within what is left of the budget and the cap; a
         decode token may be followed by draft tokens (scheduler/speculation.py)."""
-        chunks = rs.group.chunks(rs, step.budget, step.seqs_left, self.pacing)
+        chunks = rs.group.chunks(rs, step.budget, step.seqs_left)
         if not self.drafting.max_draft or not rs.group.samples_tokens:
             return chunks
         budget = step.budget - sum(c.num_new for c in chunks)
@@ -373,11 +375,11 @@ class WorkerScheduler:
             seq.resend_table = False
             plan.scheduled.append(item)
             seq.num_computed += num_new
-            self.pacing.scheduled(seq, emits)
+            seq.num_placeholders += emits
             step.chunks.append(Scheduled(rs, seq, start, num_new, emits, num_draft))
             step.budget -= num_new + num_draft
             step.seqs_left -= 1
-        self.ledger.charge(rs.req.tenant, prefill, computed - prefill)
+        self.ledger.charge(rs.tenant, prefill, computed - prefill)
 
     def fork(self, parent: SeqState, sample_index: int, num_tokens: int) -> SeqState:
         """A new sequence for the sample, sharing the parent's blocks of its first `num_tokens` (copy-on-write on
@@ -636,7 +638,6 @@ class WorkerScheduler:
             sampled = dict(zip(reversed(result.seq_ids), reversed(result.token_ids)))
         received: dict[int, int] = {}
         missing: list[Scheduled] = []
-        token_arrived = self.pacing.token_arrived
         running, preempted = Status.RUNNING, Status.PREEMPTED
         for c in chunks:
             if type(c) is DecodeRun:
@@ -647,7 +648,7 @@ class WorkerScheduler:
                         if token_id is None:
                             missing.append(Scheduled(rs, seq, start, 1, True))
                             continue
-                        token_arrived(seq)
+                        seq.num_placeholders -= 1
                         rs.group.token(self, rs, seq, token_id)
                 continue
             seq_id = c.seq.seq_id
@@ -663,7 +664,7 @@ class WorkerScheduler:
                     break  # more tokens than its draft allows, or its sample ended on the one before
                 received[seq_id] = n + 1
                 if not n:
-                    token_arrived(seq)
+                    seq.num_placeholders -= 1
                 rs.group.token(self, rs, seq, token_id)
         return received, missing
 
@@ -714,7 +715,7 @@ class WorkerScheduler:
 
     def _seat(self, rs: RequestState, num_seqs: int) -> None:
         """The request's tenant counts `num_seqs` running sequences for it: its count and the ledger's move together."""
-        self.ledger.seated(rs.req.tenant.name, num_seqs - rs.seats)
+        self.ledger.seated(rs.tenant, num_seqs - rs.seats)
         rs.seats = num_seqs
 
     def pop_finished(self) -> list[FinishedRequest]:

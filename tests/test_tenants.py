@@ -213,6 +213,22 @@ def test_a_tenant_of_twice_the_weight_gets_twice_the_tokens():
     assert sum(r.startswith("d") for r in first) == 8, first
 
 
+def test_a_weight_the_keys_file_changes_counts_for_the_running_requests_tokens_from_the_next_plan():
+    """Its counter grows by a decode token's cost over the weight its latest request carried, not over the weight
+    the running request arrived with (a reload is in force within a second, for the requests already running too)."""
+    sched, sims = make(scheduling_policy="fair", max_num_seqs=1)
+    sched.add_request(of(Tenant("t"), "running", max_tokens=40))
+    drive(sched, sims, rounds=6)
+    before = sched.ledger.counter("t")
+    drive(sched, sims, rounds=1)
+    assert sched.ledger.counter("t") - before == DECODE_COST, "one decode token at weight 1"
+    sched.add_request(of(Tenant("t", weight=4.0), "after-reload", max_tokens=4))  # waits: the batch is full
+    before = sched.ledger.counter("t")
+    drive(sched, sims, rounds=1)
+    assert running(sched) == ["running"]
+    assert sched.ledger.counter("t") - before == DECODE_COST / 4, "the running request's token at the new weight"
+
+
 def test_under_fair_a_tenant_under_its_share_of_the_batch_preempts_the_latest_of_the_tenant_over_it():
     """Heavy holds the whole batch: light's request takes a seat from heavy's latest request at once, which resumes
     and finishes; nobody's tokens are lost."""
