@@ -42,8 +42,13 @@ class BusWorker:
         for new in plan.new_sequences:
             parent = self.lengths.get(new.fork_of, 0) if new.fork_of is not None else 0
             self.lengths[new.seq_id] = parent + len(new.prompt_token_ids) + len(new.output_token_ids)
-        chunks, sampled = [], []
-        for s in plan.sequences():
+        # The decode columns are read without an object each (each samples: the lane plans a sequence's next token
+        # only): what these workers spend per sequence comes off the scheduler's cores, as a GPU host's would not.
+        decodes = plan.decodes
+        chunks = [ChunkSize(start, 1) for start in decodes.num_computed_tokens]
+        sampled = list(decodes.seq_ids)
+        self.lengths.update(zip(sampled, [start + 2 for start in decodes.num_computed_tokens]))
+        for s in plan.scheduled:
             end = s.num_computed_tokens + s.num_new_tokens
             chunks.append(ChunkSize(s.num_computed_tokens, s.num_new_tokens))
             if end >= self.lengths.get(s.seq_id, 0):  # its end (a lookahead counts the token in flight before it)
