@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -86,19 +87,22 @@ async def serve(worker: BusWorker, url: str, keys: Keys, stop: asyncio.Event) ->
 
 
 async def read_plans(worker: BusWorker, url: str, keys: Keys, landed: asyncio.Queue) -> None:
-    """Every plan on the worker's stream from its start (a fresh Redis: it holds only this run's), as it lands; a
-    plan's time is when this loop took it, late by whatever else the loop ran meanwhile."""
+    """Every plan on the worker's stream from its start (a fresh Redis: it holds only this run's), as it lands. A
+    plan's time is when it landed: the end of its entry id's millisecond, on Redis's clock on this machine (a worker
+    with a host of its own reads it then; this loop, which sixteen workers share with the scheduler's two cores, may
+    take it later)."""
     reader = connect_async(url, blocking=True)
     stream, cursor = keys.plans(worker.reg.worker_id), "0-0"
+    loop = asyncio.get_running_loop()
     while True:
         reply = await reader.xread({stream: cursor}, count=16, block=500)
-        at = asyncio.get_running_loop().time()
+        to_loop = loop.time() - time.time()
         for _, entries in reply or []:
             for entry_id, fields in entries:
                 cursor = entry_id
                 plan = decode_entry(stream, entry_id, fields, StepPlan)
                 if plan is not None:
-                    landed.put_nowait((plan, at))
+                    landed.put_nowait((plan, (int(entry_id.split(b"-")[0]) + 1) / 1e3 + to_loop))
 
 
 async def heartbeats(workers: list[BusWorker], url: str, keys: Keys, ttl: float, stop: asyncio.Event) -> None:

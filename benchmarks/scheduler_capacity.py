@@ -15,12 +15,14 @@ generated token.
 **Measured past what the full stack holds** (`--bus-workers 4 8 16`): the same requests and window on a Redis, the
 scheduler service and benchmarks/bus_workers.py's workers, which read their plans, take the cost model's time and
 answer with tokens, many to a process, writing no `out:` streams: the scheduler's side at real speed, where two cores
-cannot hold as many full workers (their CPU and Redis's per token are the full stack's rows).
+cannot hold as many full workers (their CPU and Redis's per token are the full stack's rows). A bus worker's wait
+runs to when its plan landed in Redis, not to when its process, shared by all of them, got to reading it.
 
 **Computed** (1 to 64 workers): with a lookahead, a worker waits when the scheduler cannot plan every worker's next
 step within one step: busy = min(1, step time / (N x the scheduler's CPU per step)), from the figure measured with
-one worker, checked against the runs that fit. Redis's single core caps the tokens per second at 1 / its CPU per
-token; the table says how many workers that is.
+the most workers (a scheduler's cost per step falls as it plans several workers a round), checked against the runs
+that fit. Redis's single core caps the tokens per second at 1 / its CPU per token, from the one-worker full stack (bus
+workers write no `out:` streams); the table says how many workers that is.
 """
 from __future__ import annotations
 
@@ -191,9 +193,11 @@ def measure(stack: Stack, workers: int, kind: str, args: argparse.Namespace) -> 
 
 
 def computed(measured: list[Measured], counts: list[int]) -> list[dict]:
-    """Busy share and the limits for `counts` workers, from the one-worker run's costs."""
+    """Busy share and the limits for `counts` workers: the scheduler's cost per step measured with the most workers,
+    Redis's per token with one full worker."""
     base = next(m for m in measured if m.workers == 1 and m.kind == FULL)
-    step_ms, sched_ms = base.step_ms, base.scheduler_ms_per_step
+    largest = max(measured, key=lambda m: m.workers)
+    step_ms, sched_ms = largest.step_ms, largest.scheduler_ms_per_step
     redis_tokens_s = 1e6 / base.redis_us_per_token
     rows = []
     for n in counts:
@@ -217,7 +221,8 @@ def format_report(report: dict) -> str:
                      f"{m['scheduler_us_per_seq']:.2f} | "
                      f"{m['worker_ms_per_step']:.2f} | {m['redis_us_per_token']:.2f} | "
                      f"{m['redis_commands_per_token']:.3f} | {m['step_ms']:.1f} |")
-    lines += ["", "Computed from the one-worker run (busy = min(1, step / (N x scheduler CPU per step))):", "",
+    lines += ["", "Computed (busy = min(1, step / (N x scheduler CPU per step)); the scheduler's CPU per step as "
+              "measured with the most workers, Redis's per token with one full worker):", "",
               "| workers | busy | scheduler cores needed | output tok/s | Redis cores needed |",
               "|---:|---:|---:|---:|---:|"]
     for row in report["computed"]:
