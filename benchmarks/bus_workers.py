@@ -88,21 +88,22 @@ async def serve(worker: BusWorker, url: str, keys: Keys, stop: asyncio.Event) ->
 
 async def read_plans(worker: BusWorker, url: str, keys: Keys, landed: asyncio.Queue) -> None:
     """Every plan on the worker's stream from its start (a fresh Redis: it holds only this run's), as it lands. A
-    plan's time is when it landed: the end of its entry id's millisecond, on Redis's clock on this machine (a worker
-    with a host of its own reads it then; this loop, which sixteen workers share with the scheduler's two cores, may
-    take it later)."""
+    plan's time is when it landed: the end of its entry id's millisecond, on Redis's clock on this machine, or when
+    this loop read it if that was sooner (a worker with a host of its own reads a plan as it lands; this loop, which
+    sixteen workers share with the scheduler's two cores, may take it later)."""
     reader = connect_async(url, blocking=True)
     stream, cursor = keys.plans(worker.reg.worker_id), "0-0"
     loop = asyncio.get_running_loop()
     while True:
         reply = await reader.xread({stream: cursor}, count=16, block=500)
-        to_loop = loop.time() - time.time()
+        read_at = loop.time()
+        to_loop = read_at - time.time()
         for _, entries in reply or []:
             for entry_id, fields in entries:
                 cursor = entry_id
                 plan = decode_entry(stream, entry_id, fields, StepPlan)
                 if plan is not None:
-                    landed.put_nowait((plan, (int(entry_id.split(b"-")[0]) + 1) / 1e3 + to_loop))
+                    landed.put_nowait((plan, min(read_at, (int(entry_id.split(b"-")[0]) + 1) / 1e3 + to_loop)))
 
 
 async def heartbeats(workers: list[BusWorker], url: str, keys: Keys, ttl: float, stop: asyncio.Event) -> None:

@@ -196,7 +196,7 @@ def computed(measured: list[Measured], counts: list[int]) -> list[dict]:
     """Busy share and the limits for `counts` workers: the scheduler's cost per step measured with the most workers,
     Redis's per token with one full worker."""
     base = next(m for m in measured if m.workers == 1 and m.kind == FULL)
-    largest = max(measured, key=lambda m: m.workers)
+    largest = max(measured, key=lambda m: (m.workers, m.kind == BUS))  # (the bus workers' run, of as many)
     step_ms, sched_ms = largest.step_ms, largest.scheduler_ms_per_step
     redis_tokens_s = 1e6 / base.redis_us_per_token
     rows = []

@@ -207,10 +207,11 @@ def _run(stack: Stack, topology: Topology, policy: RestartPolicy) -> int:
 
 
 def _announce(public: list[str], settings: Settings) -> None:
-    """The first gateway's URL on stdout, the only line there; the others' and a request to try in the log."""
-    print(f"ready: {public[0]}", flush=True)
+    """The first gateway's URL on stdout, the only line there; the others' and a request to try in the log. The
+    others' go first: whoever reads the log once `ready:` is printed finds every gateway there."""
     if len(public) > 1:
         say(f"other gateways at {', '.join(public[1:])}")
+    print(f"ready: {public[0]}", flush=True)
     name = settings.served_model_name
     auth = " -H \"Authorization: Bearer $PAGEDSERVE_API_KEY\"" if settings.api_key else ""
     body = json.dumps({"model": name, "messages": [{"role": "user", "content": "What is the capital of France?"}],

@@ -153,8 +153,8 @@ class Ledger:
         return self.seats / max(sum(a.tenant.weight for a in self.accounts.values() if a.live), 1e-9)
 
     def charge(self, tenant: str, prefill: int, decode: int) -> None:
-        """Tokens a plan computes for the tenant, at its weight as its latest request carried it (as its shares are
-        weighed: seat_use)."""
+        """Tokens a plan computes for the tenant, at its weight as the latest request to join the queue carried it (as
+        its shares are weighed: seat_use)."""
         account = self.accounts[tenant]
         account.computed += prefill + decode
         account.counter += (PREFILL_COST * prefill + DECODE_COST * decode) / account.tenant.weight
