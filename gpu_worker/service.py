@@ -4,22 +4,26 @@ Registers, keeps a heartbeat alive from a thread (a long step must not look like
 plan stream, executes each plan and publishes every sampled token to `out:{rid}` plus the step
 result in one atomic script, so the scheduler's view and the clients' streams never diverge.
 
-Neither Redis round trip waits on the step's path: a blocking read of the plan stream is sent before a
-step runs, so the next plan (which the scheduler writes while this step runs) is in the socket when the
-step ends; and a step's writes are sent without waiting, their reply read after the next step has run.
+Neither Redis round trip waits on the step's path: a thread reads the plan stream into a queue while steps run, so
+the next plan (which the scheduler writes while this step runs) is at hand when the step ends, and with it any plan
+that joins it (shared/protocol.py: StepPlan.joins): those run in the same step; and a step's writes are sent without
+waiting, their reply read after the next step has run.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import logging
 import os
+import queue
 import signal
 import socket
 import threading
 import time
 import uuid
+from collections import deque
 
 import redis
 
@@ -31,6 +35,7 @@ from shared.settings import Settings
 
 log = logging.getLogger("gpu_worker")
 EXPIRY_REFRESH_TOKENS = 64
+PLANS_PER_READ = 64
 # A step's writes as one script: atomic as a MULTI/EXEC, but one command to build and one reply to parse
 # where a transaction had two per token.
 # KEYS: each token's out stream, then results, then the heartbeat. ARGV: field, results maxlen, heartbeat
@@ -102,44 +107,46 @@ class WorkerService:
         heartbeat.start()
         log.info("worker %s ready: %d KV blocks of %d tokens, %d swap blocks", self.worker_id,
                  self.registration.num_blocks, self.registration.block_size, self.registration.num_swap_blocks)
-        reader = PlanReader(self.reader, self.keys.plans(self.worker_id))
-        backoff = Backoff()
-        entries: list = []  # read, not yet run
+        reader = PlanReader(self.reader, self.keys.plans(self.worker_id), self.stop_event)
+        reader.start()
+        plans: deque[StepPlan] = deque()  # read, not yet run
         sent: _Sent | None = None  # the last step's writes, their reply not read yet
         waited = 0.0  # seconds spent, holding sequences, waiting for the next plan: the scheduler's lag
         try:
             while not self.stop_event.is_set():
-                if not entries:
-                    if sent is not None and not reader.ready():  # idle: the last step's writes must land first
+                if not plans:
+                    if sent is not None and reader.idle():  # idle: the last step's writes must land first
                         self._confirm(sent)
                         sent = None
-                    try:
-                        due = bool(self.worker.seqs)  # sequences held: their next plan is due
-                        began = time.monotonic()
-                        entries = reader.take()
-                        waited += (time.monotonic() - began) if due else 0.0
-                        backoff.reset()
-                    except RECONNECT_ERRORS as e:
-                        log.warning("reading plans failed, reconnecting: %s", e)
-                        reader.reset()
-                        time.sleep(backoff.next())
+                    due = bool(self.worker.seqs)  # sequences held: their next plan is due
+                    began = time.monotonic()
+                    plans.extend(self._new_plans(reader, reader.take(BLOCK_MS / 1000)))
+                    waited += (time.monotonic() - began) if due else 0.0
                     continue
-                entry_id, fields = entries.pop(0)
-                plan = decode_entry(reader.stream, entry_id, fields, StepPlan)
-                if plan is None or not self._is_new(plan):
-                    continue
-                if not entries:
-                    reader.ask()
-                outcome = self._execute(plan)
-                outcome.result.waited, waited = waited, 0.0
+                plan = plans.popleft()
+                plans.extend(self._new_plans(reader, reader.take(0.0)))
+                joins = []
+                while plans and plans[0].joins:
+                    joins.append(plans.popleft())
+                outcomes = self._execute(plan, joins)
+                outcomes[0].result.waited, waited = waited, 0.0
                 if sent is not None:
                     self._confirm(sent)
-                sent = self._send(outcome)
+                sent = self._send(outcomes)
             if sent is not None:
                 self._confirm(sent)
         finally:
             self.stop_event.set()
             self.deregister()
+
+    def _new_plans(self, reader: PlanReader, entries: list) -> list[StepPlan]:
+        """The plans of these entries this worker has yet to run, in order."""
+        plans = []
+        for entry_id, fields in entries:
+            plan = decode_entry(reader.stream, entry_id, fields, StepPlan)
+            if plan is not None and self._is_new(plan):
+                plans.append(plan)
+        return plans
 
     def _is_new(self, plan: StepPlan) -> bool:
         """Skip replays: a plan written twice by a retried round trip, or one from an older scheduler."""
@@ -151,99 +158,113 @@ class WorkerService:
         self.epoch, self.last_step = plan.epoch, plan.step_id
         return True
 
-    def _execute(self, plan: StepPlan) -> StepOutcome:
+    def _execute(self, plan: StepPlan, joins: list[StepPlan]) -> list[StepOutcome]:
+        """Run the plan and the plans that join it as one step: an outcome for each."""
+        step = functools.reduce(StepPlan.joined, joins, plan)
         try:
-            return self.worker.execute(plan)
+            outcome = self.worker.execute(step)
         except Exception as e:  # the scheduler fails this step's requests; the worker keeps serving
             log.exception("step %d failed", plan.step_id)
-            return StepOutcome(StepResult(self.worker_id, plan.epoch, plan.step_id, error=f"{type(e).__name__}: {e}"))
+            outcome = StepOutcome(StepResult(self.worker_id, plan.epoch, plan.step_id,
+                                             error=f"{type(e).__name__}: {e}"))
+        return outcome.split(joins) if joins else [outcome]
 
-    def _send(self, outcome: StepOutcome) -> _Sent:
-        """Send a step's tokens and result; `_confirm` reads the reply."""
+    def _send(self, outcomes: list[StepOutcome]) -> _Sent:
+        """Send a step's tokens and results (a result per plan it ran); `_confirm` reads the replies."""
         keep_ms = int((self.settings.request_timeout + self.settings.out_stream_ttl) * 1000)
-        result, tokens = outcome.result, outcome.outputs
-        keys = [self.keys.out(out.rid) for out in tokens] + [self.keys.results, self.keys.heartbeat(self.worker_id)]
-        args = [FIELD, RESULTS_MAXLEN, self._ttl_ms, keep_ms, encode(result)]
-        for out in tokens:  # abandoned streams expire
-            args += (encode(out), "1" if out.output_index % EXPIRY_REFRESH_TOKENS == 0 else "0")
-        sent = _Sent(result.step_id, ("EVAL", PUBLISH_STEP, len(keys), *keys, *args))
+        commands = []
+        for outcome in outcomes:
+            result, tokens = outcome.result, outcome.outputs
+            keys = [self.keys.out(out.rid) for out in tokens] + [self.keys.results,
+                                                                   self.keys.heartbeat(self.worker_id)]
+            args = [FIELD, RESULTS_MAXLEN, self._ttl_ms, keep_ms, encode(result)]
+            for out in tokens:  # abandoned streams expire
+                args += (encode(out), "1" if out.output_index % EXPIRY_REFRESH_TOKENS == 0 else "0")
+            commands.append(("EVAL", PUBLISH_STEP, len(keys), *keys, *args))
+        sent = _Sent(outcomes[0].result.step_id, commands)
         try:
-            self.publisher.send_packed_command(self.publisher.pack_commands([sent.command]))
+            self.publisher.send_packed_command(self.publisher.pack_commands(sent.commands))
             sent.on_wire = True
         except RECONNECT_ERRORS as e:
             self.publisher.disconnect()
-            log.warning("sending step %d failed, retrying: %s", result.step_id, e)
+            log.warning("sending step %d failed, retrying: %s", sent.step_id, e)
         return sent
 
     def _confirm(self, sent: _Sent) -> None:
-        """Read a sent step's reply. If the connection broke, write the step again (readers skip what they
+        """Read a sent step's replies. If the connection broke, write the step again (readers skip what they
         already have) until Redis takes it."""
         if sent.on_wire:
             try:
-                self.client.parse_response(self.publisher, "EVAL")
+                for _ in sent.commands:
+                    self.client.parse_response(self.publisher, "EVAL")
                 return
             except RECONNECT_ERRORS as e:
                 self.publisher.disconnect()
                 log.warning("publishing step %d failed, retrying: %s", sent.step_id, e)
-        retry(lambda: self.client.execute_command(*sent.command), f"publishing step {sent.step_id}",
-              self.stop_event)
+        for command in sent.commands:
+            retry(lambda: self.client.execute_command(*command), f"publishing step {sent.step_id}", self.stop_event)
 
 
 @dataclasses.dataclass(slots=True)
 class _Sent:
-    """A step's writes, as sent to Redis."""
+    """A step's writes, as sent to Redis: a script per plan it ran."""
     step_id: int
-    command: tuple
+    commands: list[tuple]
     on_wire: bool = False  # False: sending failed, `_confirm` sends again
 
 
 class PlanReader:
-    """A worker's plan stream, read with at most one blocking XREAD in flight on a connection of its own."""
+    """A worker's plan stream, read into a queue by a thread of its own (blocking XREADs on its own connection)."""
 
-    def __init__(self, client: redis.Redis, stream: str) -> None:
+    def __init__(self, client: redis.Redis, stream: str, stop_event: threading.Event) -> None:
         self.client = client
         self.stream = stream
-        self.connection = client.connection_pool.make_connection()
-        self.cursor: bytes | str = "0-0"  # the last plan read
-        self.pending = False
+        self.stop_event = stop_event
+        self.entries: queue.SimpleQueue = queue.SimpleQueue()  # (entry id, fields), in stream order
+        self.failure: Exception | None = None  # what stopped the thread: `take` raises it, and the service ends
+        self.thread = threading.Thread(target=self._read_forever, name="plans", daemon=True)
 
-    def ask(self) -> None:
-        """Send the read for the plans after the cursor, unless one is out; a failure shows in `take`."""
-        if self.pending:
-            return
+    def start(self) -> None:
+        self.thread.start()
+
+    def _read_forever(self) -> None:
+        cursor: bytes | str = "0-0"  # the last plan read
+        backoff = Backoff()
         try:
-            self.connection.send_packed_command(self.connection.pack_commands(
-                [("XREAD", "COUNT", 1, "BLOCK", BLOCK_MS, "STREAMS", self.stream, self.cursor)]))
-            self.pending = True
-        except RECONNECT_ERRORS:
-            self.reset()
+            while not self.stop_event.is_set():
+                try:
+                    reply = self.client.xread({self.stream: cursor}, count=PLANS_PER_READ, block=BLOCK_MS)
+                    backoff.reset()
+                except RECONNECT_ERRORS as e:
+                    log.warning("reading plans failed, reconnecting: %s", e)
+                    time.sleep(backoff.next())
+                    continue
+                for entry in _entries(reply):
+                    cursor = entry[0]
+                    self.entries.put(entry)
+        except Exception as e:  # a worker that reads no plans must not look alive
+            self.failure = e
 
-    def ready(self) -> bool:
-        """Whether the read's reply has come."""
+    def idle(self) -> bool:
+        """Whether no plan is at hand."""
+        return self.entries.empty()
+
+    def take(self, timeout: float) -> list:
+        """The plans read so far, waiting up to `timeout` seconds for one if there are none."""
+        if self.failure is not None:
+            raise RuntimeError("the plan stream's reader failed") from self.failure
         try:
-            return self.pending and self.connection.can_read(timeout=0)
-        except RECONNECT_ERRORS:
-            return False
-
-    def take(self) -> list:
-        """The plans the read brings (none if the block time passed first)."""
-        self.ask()
-        if not self.pending:
-            raise redis.ConnectionError("could not send the read of the plan stream")
-        entries = _entries(self.client.parse_response(self.connection, "XREAD"))
-        self.pending = False
-        if entries:
-            self.cursor = entries[-1][0]
+            entries = [self.entries.get(timeout=timeout) if timeout else self.entries.get_nowait()]
+        except queue.Empty:
+            return []
+        while not self.entries.empty():
+            entries.append(self.entries.get_nowait())
         return entries
-
-    def reset(self) -> None:
-        self.connection.disconnect()
-        self.pending = False
 
 
 def _entries(reply) -> list:
-    """The (entry id, fields) pairs of an XREAD reply."""
-    return [entry for _, entries in reply or () for entry in entries]
+    """The (entry id, fields) pairs of an XREAD reply (RESP3: a map of stream to entries; RESP2: pairs)."""
+    return [entry for _, entries in (reply.items() if isinstance(reply, dict) else reply or ()) for entry in entries]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,6 +12,10 @@ counting when it comes back (scheduler/worker_scheduler.py); where that cannot b
 Nor is a plan made behind one in which a sequence checks a draft (speculative decoding): how many tokens that
 sequence ends the step with is known only from its result.
 
+Requests that arrive after the lookahead went out join it (StepPlan.joins): a plan of their admissions alone, which
+the worker runs in the same step if it has not begun the lookahead yet, so that an urgent request waits at most the
+step in flight; joins count as no step of their own here.
+
 Given a clock (the scheduler service's), a lookahead is planned late: shortly before the step in flight is due to
 end, so that requests arriving meanwhile join the very next step instead of the one after it. How long a step takes
 is learnt from the worker's last steps (`StepTimes`); with no clock (the in-process engine), or before a step has been
@@ -39,6 +43,11 @@ class Synchronous:
     def due(self, num_in_flight: int, drafting: bool) -> float | None:
         """When a plan not allowed now falls due by the clock alone (None: not by the clock)."""
         return None
+
+    def may_join(self, num_in_flight: int, now: float | None) -> bool:
+        """Whether requests that came after the last plan may join it (shared/protocol.py: StepPlan.joins): a
+        lookahead the worker may not have begun yet."""
+        return False
 
     def planned(self, now: float | None, behind: bool) -> bool:
         """A plan was made (`behind`: another is in flight). Whether it is a lookahead, whose wait the worker
@@ -73,6 +82,10 @@ class Lookahead:
 
     def due(self, num_in_flight: int, drafting: bool) -> float | None:
         return self.times.lookahead_due() if self._may_look_ahead(num_in_flight, drafting) else None
+
+    def may_join(self, num_in_flight: int, now: float | None) -> bool:
+        # (Without a clock, the in-process engine, the worker has begun each plan by the time the next is made.)
+        return now is not None and num_in_flight == 2
 
     def _may_look_ahead(self, num_in_flight: int, drafting: bool) -> bool:
         return num_in_flight == 1 and not self.draining and not drafting

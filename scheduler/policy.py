@@ -17,12 +17,15 @@ preempted and waiting requests.
   Nor does the cache trade them back: the victim goes behind the request it made room for, so that growing, which
   preempts the last-ranked running request, takes the victim again if anything (scheduler/worker_scheduler.py).
 
-A policy's `victim(ws, head)` names the running request to preempt so that `head`, the first to admit, fits, or
-None: then `head` waits.
+A policy's `victim(ws, head)` names the running request to preempt so that `head`, one of the first
+`heads_per_step` requests to admit, fits beside those before it, or None: then `head` waits, and those after it.
+Under priority every request that outranks a running one makes room in the step it comes to (two urgent arrivals
+within one step both start in the next); under fair the first alone, as shares move with every admission.
 """
 from __future__ import annotations
 
 import heapq
+import sys
 from collections import deque
 from operator import attrgetter
 from typing import TYPE_CHECKING, Iterator
@@ -37,6 +40,8 @@ RANK = attrgetter("rank")
 
 
 class Fcfs:
+    heads_per_step = 1
+
     def order(self, ws: WorkerScheduler) -> Iterator[RequestState]:
         yield from list(ws.preempted)
         yield from list(ws.waiting)
@@ -46,6 +51,8 @@ class Fcfs:
 
 
 class Priority:
+    heads_per_step = sys.maxsize
+
     def order(self, ws: WorkerScheduler) -> Iterator[RequestState]:
         yield from heapq.merge(list(ws.preempted), list(ws.waiting), key=RANK)
 
@@ -55,6 +62,8 @@ class Priority:
 
 
 class Fair:
+    heads_per_step = 1
+
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
 

@@ -94,6 +94,9 @@ class RequestState:
     # params.stop_tokens), and the output length that does (max_tokens, or max_model_len less its prompt)
     ends_on: frozenset[int] = frozenset()
     ends_at: int = 0
+    # Preempted by recompute while plans in flight sample its tokens: the last plan then in flight, before whose result
+    # it is not admitted back (its outputs would miss the tokens still to come)
+    held_until: int = -1
 
     def __post_init__(self) -> None:
         self.gateway_id = self.req.gateway_id

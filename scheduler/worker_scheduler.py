@@ -13,7 +13,9 @@ One step shares a token budget (`max_num_batched_tokens`) and a sequence cap (`m
    not fit preempts the running request its policy names, if any (priority: the last one, when it outranks it;
    fair: the latest of the tenant furthest over its share; one ranked before the first request goes behind it). A
    lookahead does so too, by recompute: the victim's tokens in flight count when they come back (its worker streams
-   them). A request preempted in a step waits for the next one.
+   them). A request preempted in a step waits for the next one, and for the results of the plans in flight that sample
+   its tokens. Requests that come after the lookahead went out join it: a plan of their admissions alone, run in the
+   lookahead's step if the worker has not begun it (`_join`; scheduler/pacing.py).
 A request's samples (n > 1) share its prompt: the first computes it alone, then the others fork from it
 and share its blocks, copying a block on their first write into it (copy-on-write); its group (scheduler/groups.py:
 samples, or a beam search's beams) says what its next chunks are and what a step's result does to it. Plans are deltas
@@ -93,6 +95,7 @@ class InFlight:
     chunks: list[Scheduled | DecodeRun]  # in plan order
     drafting: bool = False  # a sequence may check a draft: how many tokens it ends with is known only from its result
     ahead: bool = False  # a lookahead: planned behind another plan in flight, or after it because the clock held it
+    joins: bool = False  # admissions joining the plan before it (StepPlan.joins): no step of its own to the pacing
 
     def requests(self) -> Iterator[RequestState]:
         """Each chunk's request, in plan order."""
@@ -121,6 +124,14 @@ class StepBuilder:
     @property
     def full(self) -> bool:
         return self.budget == 0 or self.seqs_left == 0
+
+
+@dataclass(slots=True)
+class Room:
+    """What admission has left on a worker: sequences under the cap, and blocks above the watermark and the running
+    requests' next tokens."""
+    seqs: int
+    blocks: int
 
 
 @dataclass(slots=True)
@@ -160,6 +171,8 @@ class WorkerScheduler:
         self.preempted: list[RequestState] = []  # recompute or swapped; rank order
         self.running: list[RequestState] = []  # rank order
         self.in_flight: deque[InFlight] = deque()  # plans sent, oldest first
+        self.joins_in_flight = 0  # of those, joins
+        self.arrived = False  # a request was placed here since the last plan: one may join it
         self.to_free: list[int] = []  # seq ids the worker may drop: the next plan's `freed`
         self.finished: list[FinishedRequest] = []  # see pop_finished
         self.num_preemptions = 0
@@ -201,13 +214,16 @@ class WorkerScheduler:
         rs.ends_on = rs.req.params.stop_tokens(self.reg.eos_token_ids)
         rs.ends_at = min(rs.req.params.max_tokens, self.reg.max_model_len - rs.prompt_len)
         bisect.insort(self.waiting, rs, key=ORDER)
+        self.arrived = True
 
     # ---- one step -------------------------------------------------------------------------
     def schedule(self, now: float | None = None) -> StepPlan | None:
         """The worker's next step, or None: nothing to do, or no plan may be sent now (`now`: the caller's clock,
         by which a lookahead falls due; without one it is planned at once)."""
-        if not self.pacing.may_plan(len(self.in_flight), self._drafting(), now):
-            return None
+        steps = self._steps_in_flight()
+        if not self.pacing.may_plan(steps, self._drafting(), now):
+            return self._join() if self.arrived and self.pacing.may_join(steps, now) else None
+        self.arrived = False
         step = StepBuilder(StepPlan(self.worker_id, self.epoch, next(self.ids.steps)),
                            self.settings.max_num_batched_tokens, self.settings.max_num_seqs)
         if self.drafting.max_batch:  # (counting the running sequences walks every running request)
@@ -232,7 +248,7 @@ class WorkerScheduler:
         if not (step.chunks or plan.swap_out or plan.swap_in or plan.copies):
             return None
         plan.freed, self.to_free = self.to_free, []
-        ahead = self.pacing.planned(now, bool(self.in_flight))
+        ahead = self.pacing.planned(now, steps > 0)
         drafting = not lane and any(c.num_draft for c in step.chunks)
         self.in_flight.append(InFlight(plan.step_id, step.chunks, drafting, ahead))
         self.num_steps += 1
@@ -240,10 +256,45 @@ class WorkerScheduler:
 
     def lookahead_due(self) -> float | None:
         """When the pacing lets the next plan be made, if only the clock holds it back (None: not by the clock)."""
-        return self.pacing.due(len(self.in_flight), self._drafting())
+        return self.pacing.due(self._steps_in_flight(), self._drafting())
+
+    def _steps_in_flight(self) -> int:
+        return len(self.in_flight) - self.joins_in_flight
 
     def _drafting(self) -> bool:
         return bool(self.in_flight) and self.in_flight[-1].drafting
+
+    def _join(self) -> StepPlan | None:
+        """A plan of the requests that came since the lookahead went out, admitted (making room as any plan does, by
+        recompute) within what the lookahead leaves of the step's budget and cap: the worker runs the two as one step
+        if it has not begun the lookahead (the sequences this plan frees leave it first), else one after the other.
+        None when none is admitted; no swapped request comes back in a join (its blocks would move)."""
+        self.arrived = False
+        if any(rs.status is Status.SWAPPED for rs in self.preempted):
+            return None
+        step = StepBuilder(StepPlan(self.worker_id, self.epoch, next(self.ids.steps), joins=True), 0, 0)
+        if not self._make_room(step):
+            return None
+        tokens = seqs = 0
+        running = Status.RUNNING
+        for flight in itertools.islice(self.in_flight, 1, None):  # what runs beside it: the lookahead, joins
+            for c in flight.chunks:
+                if type(c) is DecodeRun:
+                    n = sum(rs.status is running and seq in rs.seqs for rs, seq in zip(c.requests, c.seqs))
+                    tokens, seqs = tokens + n, seqs + n
+                elif c.rs.status is running and c.seq in c.rs.seqs:
+                    tokens, seqs = tokens + c.num_new + c.num_draft, seqs + 1
+        step.budget = max(0, self.settings.max_num_batched_tokens - tokens)
+        step.seqs_left = max(0, self.settings.max_num_seqs - seqs)
+        self._admit_all(step)
+        if not step.chunks:
+            return None
+        plan = step.plan
+        plan.freed, self.to_free = self.to_free, []
+        self.in_flight.append(InFlight(plan.step_id, step.chunks, self.in_flight[-1].drafting, joins=True))
+        self.joins_in_flight += 1
+        self.num_steps += 1
+        return plan
 
     def _schedule_running(self, rs: RequestState, step: StepBuilder, admitting: bool = False) -> None:
         """Schedule the request's next chunks; while the cache has no room for them, preempt the latest-
@@ -258,7 +309,7 @@ class WorkerScheduler:
             if any(c.num_draft for c in chunks):  # a draft is worth no preemption: its room is asked for first
                 chunks = [c._replace(num_draft=0) for c in chunks]
                 continue
-            if not admitting and not self.pacing.may_make_room(len(self.in_flight)):
+            if not admitting and not self.pacing.may_make_room(self._steps_in_flight()):
                 step.blocked = True
                 return
             if admitting or len(self.running) == 1:
@@ -402,6 +453,7 @@ class WorkerScheduler:
         else:
             self._release(rs)
             rs.status = Status.PREEMPTED
+            rs.held_until = self.in_flight[-1].step_id if self.in_flight else -1
         bisect.insort(self.preempted, rs, key=ORDER)
 
     def _release(self, rs: RequestState) -> None:
@@ -433,47 +485,63 @@ class WorkerScheduler:
         for rs in self.policy.order(self):
             if step.full:
                 return
-            if rs in passed_over or not self.ledger.may_seat(rs.req.tenant, len(rs.live_samples)):
-                continue  # (or its tenant runs its most sequences: the others' requests go on)
+            if rs in passed_over or not self._may_seat(rs):
+                continue  # (or its tenant runs its most sequences, or its tokens are in flight: the others go on)
             if not (self._swap_in(rs, step) if rs.status is Status.SWAPPED else self._admit(rs, step)):
                 return
             (self.preempted if rs in self.preempted else self.waiting).remove(rs)
 
     def _make_room(self, step: StepBuilder) -> bool:
-        """While the first request to admit does not fit (the sequence cap, or the blocks its first chunk and the
-        running ones' next tokens take), preempt the running request the policy names for it. False when the pacing
-        does not let this step preempt: a lookahead planned now would hold the head out one step more."""
-        head = next((rs for rs in self.policy.order(self)
-                     if self.ledger.may_seat(rs.req.tenant, len(rs.live_samples))), None)
-        while head is not None and self.running and not self._fits(head):
-            victim = self.policy.victim(self, head)
-            if victim is None:
-                return True
-            if not (self._may_preempt_in_flight(victim) or self.pacing.may_make_room(len(self.in_flight))):
-                return False
-            if victim.rank < head.rank:  # (fair: a share, not the rank, named it) it goes behind the head, or the
-                # cache's growth, which preempts the last-ranked, could take the head's seat back, and so on
-                victim.rank = (victim.rank[0], next(self.ids.ranks))
-            self._preempt(victim, step)
+        """While the first requests to admit do not fit beside the running ones and each other (the sequence cap, or
+        the blocks their first chunks and the running ones' next tokens take), preempt the running request the policy
+        names for each in turn, for as many as the policy makes room for in a step. False when the pacing does not let
+        this step preempt: a lookahead planned now would hold the head out one step more."""
+        heads = (rs for rs in self.policy.order(self) if self._may_seat(rs))
+        room = self._room()
+        for head in itertools.islice(heads, self.policy.heads_per_step):
+            while self.running and not self._fits(head, room):
+                victim = self.policy.victim(self, head)
+                if victim is None:
+                    return True
+                if not (self._may_preempt_in_flight(victim) or
+                        (not step.plan.joins and self.pacing.may_make_room(self._steps_in_flight()))):
+                    return False
+                if victim.rank < head.rank:  # (fair: a share, not the rank, named it) it goes behind the head, or the
+                    # cache's growth, which preempts the last-ranked, could take the head's seat back, and so on
+                    victim.rank = (victim.rank[0], next(self.ids.ranks))
+                self._preempt(victim, step)
+                room = self._room()
+            room.seqs -= len(head.live_samples)
+            room.blocks -= self._blocks_to_admit(head)
         return True
+
+    def _may_seat(self, rs: RequestState) -> bool:
+        """Whether the request may be admitted now: its tenant runs fewer than its most sequences, and no plan in
+        flight samples tokens of it (a victim of a join: the lookahead it joined does)."""
+        return (not self.in_flight or rs.held_until < self.in_flight[0].step_id) and \
+            self.ledger.may_seat(rs.req.tenant, len(rs.live_samples))
 
     def _may_preempt_in_flight(self, victim: RequestState) -> bool:
         """Whether the victim can leave while a step computes its tokens: by recompute, as its sampled tokens then
         only add to its outputs (a swap would move blocks the step writes; a beam's candidates need its search)."""
         return self.settings.preemption_mode == "recompute" and victim.group.samples_tokens
 
-    def _fits(self, rs: RequestState) -> bool:
+    def _room(self) -> Room:
         settings, kv = self.settings, self.kv
-        # (Every running request holds a sequence at least: a full worker is told without counting them.)
-        if len(self.running) + len(rs.live_samples) > settings.max_num_seqs or \
-                self.num_running_seqs + len(rs.live_samples) > settings.max_num_seqs:
-            return False
-        if rs.status is Status.SWAPPED:
-            needed = kv.swap_in_blocks([s.seq_id for s in rs.seqs])
-        else:
-            needed = kv.num_blocks_for(min(rs.longest, settings.max_num_batched_tokens)) + len(rs.live_samples) - 1
+        if len(self.running) >= settings.max_num_seqs:  # every running request holds a sequence at least: a full
+            return Room(0, 0)  # worker is told without counting them
         growing = sum(1 for r in self.running for s in r.seqs if s.num_computed % kv.block_size == 0)
-        return kv.num_free - self._keep_free() - growing >= needed
+        return Room(settings.max_num_seqs - self.num_running_seqs, kv.num_free - self._keep_free() - growing)
+
+    def _fits(self, rs: RequestState, room: Room) -> bool:
+        return len(rs.live_samples) <= room.seqs and self._blocks_to_admit(rs) <= room.blocks
+
+    def _blocks_to_admit(self, rs: RequestState) -> int:
+        """The blocks the request takes to be admitted: its first chunk's (no prefix hit counted), or its swapped
+        blocks."""
+        if rs.status is Status.SWAPPED:
+            return self.kv.swap_in_blocks([s.seq_id for s in rs.seqs])
+        return self.kv.num_blocks_for(min(rs.longest, self.settings.max_num_batched_tokens)) + len(rs.live_samples) - 1
 
     def _room_for(self, step: StepBuilder, num_seqs: int) -> bool:
         """The sequence cap; an idle worker takes anything, so that nothing waits forever."""
@@ -563,8 +631,10 @@ class WorkerScheduler:
         flight = self.in_flight.popleft()
         chunks = flight.chunks
         self.plan_wait += result.waited
-        # (a worker also waits for a plan sent to it idle, from before the scheduler had anything to plan: no lead)
-        self.pacing.step_ended(now, result.waited if flight.ahead else 0.0, bool(self.in_flight))
+        if flight.joins:
+            self.joins_in_flight -= 1
+        else:  # (a worker also waits for a plan sent to it idle, from before the scheduler planned anything: no lead)
+            self.pacing.step_ended(now, result.waited if flight.ahead else 0.0, self._steps_in_flight() > 0)
         if result.error is not None:
             for rs in {id(rs): rs for rs in flight.requests()}.values():
                 if rs.status in LIVE:
@@ -626,8 +696,8 @@ class WorkerScheduler:
                      result: StepResult) -> tuple[dict[int, int], list[Scheduled]]:
         """Give each chunk that sampled its tokens, in the order the scheduler planned them (its worker samples a
         plan's `decodes` first): a token counts if its sequence runs on, or if its request was preempted while it was
-        in flight. Returns how many each sequence took, and the chunks whose token did not come. (It runs for every
-        sequence in every step: written out, on locals.)"""
+        in flight (none comes where a join freed it before its step ran). Returns how many each sequence took, and the
+        chunks whose token did not come. (It runs for every sequence in every step: written out, on locals.)"""
         drafting = self.drafting.max_draft
         sampled: dict[int, list[int]] | dict[int, int]
         if drafting:  # a sequence that checked a draft emits several
@@ -646,7 +716,8 @@ class WorkerScheduler:
                     if status is preempted or (status is running and seq in rs.seqs):
                         token_id = sampled.get(seq.seq_id)
                         if token_id is None:
-                            missing.append(Scheduled(rs, seq, start, 1, True))
+                            if status is running:
+                                missing.append(Scheduled(rs, seq, start, 1, True))
                             continue
                         seq.num_placeholders -= 1
                         rs.group.token(self, rs, seq, token_id)
@@ -656,7 +727,8 @@ class WorkerScheduler:
                 continue
             tokens = sampled.get(seq_id)
             if tokens is None:
-                missing.append(c)
+                if c.rs.status is running:
+                    missing.append(c)
                 continue
             rs, seq = c.rs, c.seq
             for n, token_id in enumerate(tokens if drafting else (tokens,)):

@@ -20,7 +20,7 @@ import msgpack
 from shared.sampling import SamplingParams
 from shared.tenants import Tenant
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 # Why the scheduler ended a request with an error, so the gateway can answer with the right status.
 REJECTED = "rejected"  # the request can never be served as sent (e.g. longer than any worker's cache): 400
 UNAVAILABLE = "unavailable"  # no worker took it in time: 503, worth retrying
@@ -140,6 +140,20 @@ class Decodes:
         if any(a >= b for a, b in zip(self.growing, self.growing[1:])):
             raise ValueError("growing positions must ascend")
 
+    def without(self, seq_ids: set[int]) -> Decodes:
+        """These columns less the sequences `seq_ids` names."""
+        new_blocks = dict(zip(self.growing, self.new_block_ids))
+        kept = Decodes()
+        for i, (seq_id, start) in enumerate(zip(self.seq_ids, self.num_computed_tokens)):
+            if seq_id in seq_ids:
+                continue
+            if i in new_blocks:
+                kept.growing.append(len(kept.seq_ids))
+                kept.new_block_ids.append(new_blocks[i])
+            kept.seq_ids.append(seq_id)
+            kept.num_computed_tokens.append(start)
+        return kept
+
     def items(self) -> list[ScheduledSequence]:
         new_blocks = dict(zip(self.growing, self.new_block_ids))
         return [ScheduledSequence(seq_id, start, 1, [new_blocks[i]] if i in new_blocks else [])
@@ -151,6 +165,12 @@ class StepPlan:
     """scheduler → worker (`plans:{worker}` stream): one step, as deltas against the worker's state.
 
     Order of work on the worker: free `freed`, swap out, swap in, copies, then the forward pass over `sequences()`.
+
+    A plan that `joins` the one before it admits requests that came after that one was sent (a lookahead): it moves no
+    block, and it holds no block that a sequence of the plan before it still writes or reads but for those it frees. A
+    worker that has not begun the plan before it runs the two as one step (`joined`), else it runs it as a step of its
+    own; the scheduler's state is the same either way, but that a sequence it frees may have its token in the plan
+    before it or not.
     """
     worker_id: str
     epoch: int
@@ -162,6 +182,18 @@ class StepPlan:
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (swap block, device block)
     freed: list[int] = field(default_factory=list)  # seq ids whose state the worker drops (their blocks are free)
     decodes: Decodes = field(default_factory=Decodes)  # the scheduler's fast lane: no object per sequence
+    joins: bool = False  # admissions after a lookahead, to run with it if the worker has not begun it
+
+    def joined(self, join: StepPlan) -> StepPlan:
+        """This plan and a join behind it as one step: the join's `freed` go first, with their chunks in this plan
+        (the blocks they held may be the join's), then the join's sequences after this plan's."""
+        gone = set(join.freed)
+        return StepPlan(
+            self.worker_id, self.epoch, self.step_id,
+            [m for m in self.new_sequences if m.seq_id not in gone] + join.new_sequences,
+            [s for s in self.scheduled if s.seq_id not in gone] + join.scheduled,
+            self.copies + join.copies, self.swap_out + join.swap_out, self.swap_in + join.swap_in,
+            self.freed + join.freed, self.decodes.without(gone) if gone else self.decodes)
 
     def sequences(self) -> list[ScheduledSequence]:
         """Every sequence the step computes, in the order it computes them: `decodes`, then `scheduled`."""
@@ -273,6 +305,36 @@ class StepOutcome:
     requests' `out:` streams, which the worker service writes (the in-process engine takes them directly)."""
     result: StepResult
     outputs: list[TokenOutput] = field(default_factory=list)
+
+    def split(self, joins: list[StepPlan]) -> list[StepOutcome]:
+        """The outcome of a step that ran plans joined (StepPlan.joined) as one per plan: first the plan joined to,
+        under this result's step id, then each join's own. A join's sequences and requests are all its own (it only
+        admits), the first plan's are the rest."""
+        result, outputs = self.result, self.outputs
+        parts = []
+        rest = list(range(len(result.seq_ids)))
+        refused, beams, drafts = result.refused, result.beams, result.drafts
+        for join in joins:
+            seq_ids, rids = {s.seq_id for s in join.scheduled}, {m.rid for m in join.new_sequences}
+            mine = [i for i in rest if result.seq_ids[i] in seq_ids]
+            rest = [i for i in rest if result.seq_ids[i] not in seq_ids]
+            parts.append(_part(result, outputs, join.step_id, mine, [r for r in refused if r.rid in rids],
+                               [b for b in beams if b.seq_id in seq_ids], [d for d in drafts if d.seq_id in seq_ids]))
+            refused = [r for r in refused if r.rid not in rids]
+            beams = [b for b in beams if b.seq_id not in seq_ids]
+            drafts = [d for d in drafts if d.seq_id not in seq_ids]
+        first = _part(result, outputs, result.step_id, rest, refused, beams, drafts)
+        first.result.waited = result.waited
+        return [first, *parts]
+
+
+def _part(result: StepResult, outputs: list[TokenOutput], step_id: int, indices: list[int],
+          refused: list[RefusedRequest], beams: list[BeamCandidates], drafts: list[DraftReport]) -> StepOutcome:
+    """One plan's share of a joined step's outcome: the tokens at `indices` (its outputs run beside its seq ids)."""
+    return StepOutcome(StepResult(result.worker_id, result.epoch, step_id, [result.seq_ids[i] for i in indices],
+                                  [result.token_ids[i] for i in indices], refused, result.error, beams,
+                                  drafts=drafts),
+                       [outputs[i] for i in indices] if outputs else [])
 
 
 @dataclass(slots=True)

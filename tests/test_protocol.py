@@ -7,8 +7,8 @@ from hypothesis import given, settings, strategies as st
 
 from shared.protocol import (
     MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Abort, Decodes, NewSequence, ProtocolError, PromptLogprob, RefusedRequest,
-    Request, ScheduledSequence, SchedulerStats, StepPlan, StepResult, TokenOutput, WorkerGone, WorkerRegistration,
-    WorkerStats, decode, encode,
+    Request, ScheduledSequence, SchedulerStats, StepOutcome, StepPlan, StepResult, TokenOutput, WorkerGone,
+    WorkerRegistration, WorkerStats, decode, encode,
 )
 from shared.sampling import SamplingParams
 
@@ -167,3 +167,23 @@ def test_fuzz_random_maps(body):
         decode(msgpack.packb(body, use_bin_type=True))
     except ProtocolError:
         pass
+
+
+def test_a_join_runs_with_the_plan_before_it_less_the_sequences_it_frees_and_its_outcome_splits_back_per_plan():
+    """StepPlan.joined and StepOutcome.split, which the worker service uses for a plan that joins the next one."""
+    ahead = StepPlan("w0", 1, 10, scheduled=[ScheduledSequence(4, 0, 8, [7])], freed=[1],
+                     decodes=Decodes([2, 3, 5], [16, 9, 32], [0, 2], [8, 9]))
+    new = NewSequence(6, "late", 0, [1, 2, 3], [], PARAMS)
+    join = StepPlan("w0", 1, 11, [new], [ScheduledSequence(6, 0, 3, [10])], freed=[3], joins=True)
+    step = ahead.joined(join)
+    assert (step.step_id, step.freed, step.new_sequences) == (10, [1, 3], [new])
+    assert [(s.seq_id, s.num_computed_tokens, s.new_block_ids) for s in step.sequences()] == \
+        [(2, 16, [8]), (5, 32, [9]), (4, 0, [7]), (6, 0, [10])], "3 left before the pass; the blocks stay in place"
+    tokens = [TokenOutput(rid, 0, 0, t) for rid, t in (("a", 20), ("b", 21), ("c", 22), ("late", 23))]
+    result = StepResult("w0", 1, 10, [2, 5, 4, 6], [20, 21, 22, 23], [RefusedRequest("late", "bad")], waited=0.5)
+    first, joined = StepOutcome(result, tokens).split([join])
+    assert (first.result.step_id, first.result.seq_ids, first.result.token_ids, first.result.refused) == \
+        (10, [2, 5, 4], [20, 21, 22], [])
+    assert first.result.waited == 0.5 and first.outputs == tokens[:3]
+    assert (joined.result.step_id, joined.result.seq_ids, joined.outputs) == (11, [6], tokens[3:])
+    assert joined.result.refused == [RefusedRequest("late", "bad")] and joined.result.waited == 0.0

@@ -128,6 +128,55 @@ def test_a_request_arriving_early_in_a_step_joins_the_step_after_it(redis_url, s
     assert joined_at and joined_at[-1] == 1, f"steps after the one in flight where the arrivals joined: {joined_at}"
 
 
+def test_a_plan_that_joins_the_next_one_runs_in_its_step_and_each_gets_its_own_result(redis_url, tiny_model_dir,
+                                                                                      reference):
+    """A request that came after the lookahead went out joins it (shared/protocol.py: StepPlan.joins); a worker
+    that has not begun the lookahead when the join is in its stream runs both in one step, then writes each plan's
+    result in order and every token to its stream, as the engine computes them."""
+    from gpu_worker.service import WorkerService
+    from gpu_worker.worker import Worker
+    from scheduler.cluster import Cluster
+    from shared.protocol import Request
+
+    settings = Settings(redis_url=redis_url, model=str(tiny_model_dir), heartbeat_ttl=1.5)
+    worker = Worker.load(settings, "w0", progress=False)
+    steps: list[list[int]] = []  # the sequences of each step the worker ran
+    execute = worker.execute
+    worker.execute = lambda plan: steps.append([s.seq_id for s in plan.sequences()]) or execute(plan)
+    service = WorkerService(settings, worker)
+    thread = threading.Thread(target=service.run, daemon=True)
+    thread.start()
+    client = BusClient(redis_url)
+    try:
+        client.wait_for(lambda: client.live_workers() == ["w0"], "the worker to register")
+        cluster = Cluster(settings)
+        cluster.add_worker(worker.registration)
+        first, late = prompts(2, seed=21)
+        model = worker.registration.model_id
+        cluster.add_request(Request("first", model, first, GREEDY, 0.0))
+        in_flight, lookahead = cluster.plans("w0", now=0.0)
+        cluster.add_request(Request("late", model, late, GREEDY, 0.0))
+        (join,) = cluster.plans("w0", now=0.001)
+        assert join.joins and [m.rid for m in join.new_sequences] == ["late"]
+        with client.redis.pipeline(transaction=True) as pipe:  # in the stream before the first step ends
+            for plan in (in_flight, lookahead, join):
+                pipe.xadd(client.keys.plans("w0"), {FIELD: encode(plan)})
+            pipe.execute()
+        client.wait_for(lambda: len(client.redis.xrange(client.keys.results)) == 3, "three results")
+        results = [decode(f[FIELD.encode()], StepResult) for _, f in client.redis.xrange(client.keys.results)]
+        assert [r.step_id for r in results] == [p.step_id for p in (in_flight, lookahead, join)]
+        first_seq, late_seq = in_flight.scheduled[0].seq_id, join.scheduled[0].seq_id
+        assert steps == [[first_seq], [first_seq, late_seq]], "the join ran in the lookahead's step"
+        assert [r.seq_ids for r in results] == [[first_seq], [first_seq], [late_seq]]
+        tokens = {rid: [decode(f[FIELD.encode()], TokenOutput).token_id for _, f in
+                        client.redis.xrange(client.keys.out(rid))] for rid in ("first", "late")}
+        want = reference([first, late])
+        assert tokens == {"first": want[0][:2], "late": want[1][:1]}
+    finally:
+        service.stop_event.set()
+        thread.join(timeout=10)
+
+
 def _ms(entry_id: bytes) -> int:
     """A stream entry's time on the Redis server's clock."""
     return int(entry_id.split(b"-")[0])

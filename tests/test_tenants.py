@@ -62,6 +62,25 @@ def test_under_priority_a_more_urgent_arrival_preempts_the_least_urgent_running_
     assert sched.num_preemptions == 1 and not sched.has_unfinished(), "the preempted one resumed and finished"
 
 
+def test_under_priority_two_urgent_arrivals_in_one_step_both_make_room_and_start_in_the_next():
+    sched, sims = make(scheduling_policy="priority", max_num_seqs=3)
+    for rid, priority in (("low-a", 5), ("low-b", 9), ("mid", 1)):
+        sched.add_request(of(HEAVY, rid, priority, max_tokens=40))
+    outputs: dict = {}
+    drive(sched, sims, outputs, rounds=3)
+    for rid in ("urgent-1", "urgent-2"):
+        sched.add_request(of(LIGHT, rid, -1, max_tokens=4))
+    plan = sched.schedule("w0")
+    assert [s.rid for s in plan.new_sequences] == ["urgent-1", "urgent-2"]
+    assert running(sched) == ["urgent-1", "urgent-2", "mid"], "the two least urgent made room"
+    assert [rs.rid for rs in sched.workers["w0"].preempted] == ["low-a", "low-b"]
+    collect(outputs, outcome := sims["w0"].execute(plan))
+    sched.apply_result(outcome.result)
+    drive(sched, sims, outputs)
+    assert outputs == {(rid, 0): [pick(rid, 0, i) for i in range(n)] for rid, n in
+                       (("low-a", 40), ("low-b", 40), ("mid", 40), ("urgent-1", 4), ("urgent-2", 4))}
+
+
 def test_with_a_step_in_flight_an_urgent_arrival_takes_a_seat_in_the_lookahead_and_the_victims_token_stands():
     """Async scheduling plans a step while one computes: the urgent request preempts the least urgent one in that
     lookahead, by recompute. The victim's token in the step in flight was streamed, so it counts: the victim resumes
@@ -89,6 +108,92 @@ def test_with_a_step_in_flight_an_urgent_arrival_takes_a_seat_in_the_lookahead_a
     assert outputs == {(rid, 0): [pick(rid, 0, i) for i in range(n)]
                        for rid, n in (("low-a", 40), ("low-b", 40), ("urgent", 4))}
     assert sched.num_preemptions == 1 and not sched.has_unfinished()
+
+
+def collect(outputs: dict, outcome) -> None:
+    for out in outcome.outputs:
+        tokens = outputs.setdefault((out.rid, out.sample_index), [])
+        assert out.output_index == len(tokens), "each output index arrives exactly once"
+        tokens.append(out.token_id)
+
+
+def full_batch_and_a_lookahead_sent():
+    """Two low-priority requests fill a batch of two; a step is in flight, its lookahead sent (a clock given)."""
+    sched, sims = make(scheduling_policy="priority", max_num_seqs=2, async_scheduling=True)
+    for rid, priority in (("low-a", 5), ("low-b", 9)):
+        sched.add_request(of(HEAVY, rid, priority, max_tokens=40))
+    outputs: dict = {}
+    drive(sched, sims, outputs, rounds=3)
+    in_flight, lookahead = sched.plans("w0", now=0.0)
+    return sched, sims, outputs, in_flight, lookahead
+
+
+@pytest.mark.parametrize("begun", [False, True], ids=["in-the-lookaheads-step", "after-it"])
+def test_an_urgent_arrival_after_the_lookahead_went_out_joins_it_and_every_stream_stays_exact(begun):
+    """With a step in flight and its lookahead sent, an urgent request is planned at once in a join: its admission
+    alone, preempting the least urgent request by recompute. A worker that has not begun the lookahead runs the two
+    as one step (the victim's chunk leaves it, its blocks may be the urgent one's: the shadow cache checks every
+    write and read), else one after the other; either way every stream is exact and each output index comes once."""
+    sched, sims, outputs, in_flight, lookahead = full_batch_and_a_lookahead_sent()
+    victim = sched.requests["low-b"]
+    (victim_seq,) = [s.seq_id for s in victim.seqs]
+    sched.add_request(of(LIGHT, "urgent", -1, max_tokens=4))
+    (join,) = sched.plans("w0", now=0.001)
+    assert join.joins and [s.rid for s in join.new_sequences] == ["urgent"] and join.freed == [victim_seq]
+    assert running(sched) == ["urgent", "low-a"] and victim.status is Status.PREEMPTED
+    assert sched.plans("w0", now=0.002) == [], "nothing else came"
+    step = lookahead.joined(join)
+    assert [s.seq_id for s in step.sequences()] == [*lookahead.decodes.without({victim_seq}).seq_ids,
+                                                     *(s.seq_id for s in join.scheduled)]
+    assert len(step.sequences()) <= 2, "the step keeps to max_num_seqs"
+    sim = sims["w0"]
+    collect(outputs, outcome := sim.execute(in_flight))
+    sched.apply_result(outcome.result, now=0.03)
+    if begun:
+        outcomes = [sim.execute(lookahead), sim.execute(join)]
+    else:
+        outcomes = sim.execute(step).split([join])
+        assert [o.result.step_id for o in outcomes] == [lookahead.step_id, join.step_id]
+        assert {out.rid for out in outcomes[1].outputs} == {"urgent"}
+    for outcome in outcomes:
+        collect(outputs, outcome)
+        sched.apply_result(outcome.result, now=0.06)
+    assert len(victim.outputs[0]) == len(outputs[("low-b", 0)]), "the victim's tokens that came count, no more"
+    drive(sched, sims, outputs)
+    assert outputs == {(rid, 0): [pick(rid, 0, i) for i in range(n)]
+                       for rid, n in (("low-a", 40), ("low-b", 40), ("urgent", 4))}
+    assert sched.num_preemptions == 1 and not sched.has_unfinished()
+
+
+def test_a_victim_of_a_join_is_not_admitted_back_while_a_plan_in_flight_samples_its_token():
+    """Its token in the lookahead is still to come when the plan after it is made: taken back then, it would start
+    from outputs that miss it. It waits for that result, and its stream stays exact."""
+    sched, sims, outputs, in_flight, lookahead = full_batch_and_a_lookahead_sent()
+    sched.add_request(of(LIGHT, "urgent", -1, max_tokens=4))
+    (join,) = sched.plans("w0", now=0.001)
+    sched.abort("low-a")  # a seat for the victim
+    sim = sims["w0"]
+    collect(outputs, outcome := sim.execute(in_flight))
+    sched.apply_result(outcome.result, now=0.03)
+    (behind,) = sched.plans("w0", now=1.0)
+    assert "low-b" not in {s.rid for s in behind.new_sequences}, "its token in the lookahead is in flight"
+    for plan in (lookahead, join, behind):
+        collect(outputs, outcome := sim.execute(plan))
+        sched.apply_result(outcome.result, now=1.0)
+    drive(sched, sims, outputs)
+    assert outputs[("low-b", 0)] == [pick("low-b", 0, i) for i in range(40)]
+    assert outputs[("urgent", 0)] == [pick("urgent", 0, i) for i in range(4)]
+
+
+def test_without_a_clock_nothing_joins_a_lookahead():
+    """The in-process engine runs each plan as it is made: there is no step yet to be begun to join."""
+    sched, sims = make(scheduling_policy="priority", max_num_seqs=2, async_scheduling=True)
+    for rid, priority in (("low-a", 5), ("low-b", 9)):
+        sched.add_request(of(HEAVY, rid, priority, max_tokens=40))
+    drive(sched, sims, rounds=3)
+    assert len(sched.plans("w0")) == 2, "a step and its lookahead"
+    sched.add_request(of(LIGHT, "urgent", -1, max_tokens=4))
+    assert sched.plans("w0") == [] and running(sched) == ["low-a", "low-b"]
 
 
 def test_a_request_preempted_in_a_step_is_not_admitted_back_in_it_even_where_it_would_fit():
