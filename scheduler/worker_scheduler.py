@@ -171,7 +171,6 @@ class WorkerScheduler:
         self.preempted: list[RequestState] = []  # recompute or swapped; rank order
         self.running: list[RequestState] = []  # rank order
         self.in_flight: deque[InFlight] = deque()  # plans sent, oldest first
-        self.joins_in_flight = 0  # of those, joins
         self.arrived = False  # a request was placed here since the last plan: one may join it
         self.to_free: list[int] = []  # seq ids the worker may drop: the next plan's `freed`
         self.finished: list[FinishedRequest] = []  # see pop_finished
@@ -259,7 +258,7 @@ class WorkerScheduler:
         return self.pacing.due(self._steps_in_flight(), self._drafting())
 
     def _steps_in_flight(self) -> int:
-        return len(self.in_flight) - self.joins_in_flight
+        return sum(not flight.joins for flight in self.in_flight)  # (a few plans at most)
 
     def _drafting(self) -> bool:
         return bool(self.in_flight) and self.in_flight[-1].drafting
@@ -292,7 +291,6 @@ class WorkerScheduler:
         plan = step.plan
         plan.freed, self.to_free = self.to_free, []
         self.in_flight.append(InFlight(plan.step_id, step.chunks, self.in_flight[-1].drafting, joins=True))
-        self.joins_in_flight += 1
         self.num_steps += 1
         return plan
 
@@ -631,9 +629,7 @@ class WorkerScheduler:
         flight = self.in_flight.popleft()
         chunks = flight.chunks
         self.plan_wait += result.waited
-        if flight.joins:
-            self.joins_in_flight -= 1
-        else:  # (a worker also waits for a plan sent to it idle, from before the scheduler planned anything: no lead)
+        if not flight.joins:  # (a worker also waits for a plan sent to it idle, from before it was planned: no lead)
             self.pacing.step_ended(now, result.waited if flight.ahead else 0.0, self._steps_in_flight() > 0)
         if result.error is not None:
             for rs in {id(rs): rs for rs in flight.requests()}.values():

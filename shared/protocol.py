@@ -166,11 +166,11 @@ class StepPlan:
 
     Order of work on the worker: free `freed`, swap out, swap in, copies, then the forward pass over `sequences()`.
 
-    A plan that `joins` the one before it admits requests that came after that one was sent (a lookahead): it moves no
-    block, and it holds no block that a sequence of the plan before it still writes or reads but for those it frees. A
-    worker that has not begun the plan before it runs the two as one step (`joined`), else it runs it as a step of its
-    own; the scheduler's state is the same either way, but that a sequence it frees may have its token in the plan
-    before it or not.
+    A plan that `joins` the one before it admits requests that came after that one was sent (a lookahead): it has no
+    `decodes`, moves no block, and holds no block that a sequence of the plan before it still writes or reads but for
+    those it frees. A worker that has not begun the plan before it runs the two as one step (`joined`), else it runs
+    it as a step of its own; the scheduler's state is the same either way, but that a sequence it frees may have its
+    token in the plan before it or not.
     """
     worker_id: str
     epoch: int
@@ -310,31 +310,25 @@ class StepOutcome:
         """The outcome of a step that ran plans joined (StepPlan.joined) as one per plan: first the plan joined to,
         under this result's step id, then each join's own. A join's sequences and requests are all its own (it only
         admits), the first plan's are the rest."""
-        result, outputs = self.result, self.outputs
-        parts = []
-        rest = list(range(len(result.seq_ids)))
-        refused, beams, drafts = result.refused, result.beams, result.drafts
-        for join in joins:
-            seq_ids, rids = {s.seq_id for s in join.scheduled}, {m.rid for m in join.new_sequences}
-            mine = [i for i in rest if result.seq_ids[i] in seq_ids]
-            rest = [i for i in rest if result.seq_ids[i] not in seq_ids]
-            parts.append(_part(result, outputs, join.step_id, mine, [r for r in refused if r.rid in rids],
-                               [b for b in beams if b.seq_id in seq_ids], [d for d in drafts if d.seq_id in seq_ids]))
-            refused = [r for r in refused if r.rid not in rids]
-            beams = [b for b in beams if b.seq_id not in seq_ids]
-            drafts = [d for d in drafts if d.seq_id not in seq_ids]
-        first = _part(result, outputs, result.step_id, rest, refused, beams, drafts)
-        first.result.waited = result.waited
-        return [first, *parts]
-
-
-def _part(result: StepResult, outputs: list[TokenOutput], step_id: int, indices: list[int],
-          refused: list[RefusedRequest], beams: list[BeamCandidates], drafts: list[DraftReport]) -> StepOutcome:
-    """One plan's share of a joined step's outcome: the tokens at `indices` (its outputs run beside its seq ids)."""
-    return StepOutcome(StepResult(result.worker_id, result.epoch, step_id, [result.seq_ids[i] for i in indices],
-                                  [result.token_ids[i] for i in indices], refused, result.error, beams,
-                                  drafts=drafts),
-                       [outputs[i] for i in indices] if outputs else [])
+        result = self.result
+        parts = [StepOutcome(StepResult(result.worker_id, result.epoch, step_id, error=result.error))
+                 for step_id in (result.step_id, *(join.step_id for join in joins))]
+        seq_owner = {s.seq_id: k for k, join in enumerate(joins, 1) for s in join.scheduled}
+        rid_owner = {m.rid: k for k, join in enumerate(joins, 1) for m in join.new_sequences}
+        for i, (seq_id, token_id) in enumerate(zip(result.seq_ids, result.token_ids)):
+            part = parts[seq_owner.get(seq_id, 0)]
+            part.result.seq_ids.append(seq_id)
+            part.result.token_ids.append(token_id)
+            if self.outputs:  # (they run beside the seq ids)
+                part.outputs.append(self.outputs[i])
+        for refused in result.refused:
+            parts[rid_owner.get(refused.rid, 0)].result.refused.append(refused)
+        for beams in result.beams:
+            parts[seq_owner.get(beams.seq_id, 0)].result.beams.append(beams)
+        for draft in result.drafts:
+            parts[seq_owner.get(draft.seq_id, 0)].result.drafts.append(draft)
+        parts[0].result.waited = result.waited
+        return parts
 
 
 @dataclass(slots=True)
